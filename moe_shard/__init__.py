@@ -1,0 +1,34 @@
+"""moe_shard: Mixture-of-Experts layers with expert parallelism in JAX.
+
+    Out[i] = sum_j G[i, j] * expert(W[B[i, j]], A[i])
+
+Shape letters (array names carry them as a suffix, e.g. `x_TD`, `experts_TK`):
+
+    T  tokens                     D  model width
+    F  expert hidden (output)     E  experts
+    L  local experts (E / N)      K  experts per token (top-k)
+    C  chunk or capacity          N  devices on the expert axis
+    B  batch                      S  sequence
+    M  rows of a grouped matmul   G  groups of a grouped matmul
+
+Inside a `shard_map` body the letters are per-device sizes.
+"""
+
+from moe_shard.experts import Linear, SwiGLU
+from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.local import moe_masked_scan, moe_ragged_dot
+from moe_shard.routing import (Routing, expert_load, load_balancing_loss, router_z_loss,
+                               top_k_routing)
+
+__all__ = [
+    "Linear",
+    "Routing",
+    "SwiGLU",
+    "expert_load",
+    "grouped_matmul",
+    "load_balancing_loss",
+    "moe_masked_scan",
+    "moe_ragged_dot",
+    "router_z_loss",
+    "top_k_routing",
+]

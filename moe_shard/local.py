@@ -1,0 +1,154 @@
+"""The two single-device references: a masked scan over experts, and sort + grouped matmul.
+
+Both compute, for x_TD, an expert FFN `w` with E experts, experts_TK and weights_TK,
+
+    y[t] = sum_j weights[t, j] * expert(w[experts[t, j]], x[t])
+
+An expert id outside [0, E) contributes zero to its token (never another expert's output).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe_shard import _checks
+from moe_shard.experts import as_ffn, dense_matmul
+from moe_shard.grouped_matmul import grouped_matmul
+
+
+def check_moe_inputs(fn, x_TD, w, experts, weights):
+  """Validates the common arguments of every implementation at trace time.
+
+  Args:
+    fn: name of the calling function, for error messages.
+    x_TD: f[T, D] tokens.
+    w: f[E, D, F] or an expert-FFN pytree.
+    experts: int[T] or int[T, K] expert ids.
+    weights: f[T, K] combine weights (the shape of `experts`), or None for ones.
+
+  Returns:
+    (x_TD, ffn, E, experts_TK: int[T, K], weights_TK: f32[T, K]).
+
+  Raises:
+    TypeError, ValueError: naming the argument and the rule broken.
+  """
+  x_TD = _checks.float_array(fn, "x", x_TD, ndim=2)
+  T, D = x_TD.shape
+  ffn, E = as_ffn(fn, w)
+  if ffn.d_in != D:
+    raise ValueError(f"{fn}: w's input dimension ({ffn.d_in}) must equal x's last "
+                     f"dimension D ({D})")
+  experts = _checks.int_array(fn, "experts", experts)
+  if experts.ndim not in (1, 2) or experts.shape[0] != T:
+    raise ValueError(f"{fn}: experts must be int[T] or int[T, K] with T = {T} tokens "
+                     f"(got shape {tuple(experts.shape)})")
+  experts_TK = experts.reshape(T, -1)
+  if experts_TK.shape[1] < 1:
+    raise ValueError(f"{fn}: experts must route each token to at least one expert "
+                     f"(got shape {tuple(experts.shape)})")
+  if weights is None:
+    weights_TK = jnp.ones(experts_TK.shape, jnp.float32)
+  else:
+    weights = _checks.float_array(fn, "weights", weights)
+    if weights.shape != experts.shape:
+      raise ValueError(f"{fn}: weights must have the shape of experts "
+                       f"{tuple(experts.shape)} (got {tuple(weights.shape)})")
+    weights_TK = weights.reshape(experts_TK.shape).astype(jnp.float32)
+  return x_TD, ffn, E, experts_TK.astype(jnp.int32), weights_TK
+
+
+@functools.partial(jax.named_scope, "moe_masked_scan")
+def moe_masked_scan(x_TD, w, experts, weights=None):
+  """Applies each expert to every token and keeps the routed outputs: the ground truth.
+
+  A `lax.scan` over the E experts; step e runs expert e on all T tokens and adds
+  `weights[t, j] * out[t]` where `experts[t, j] == e`. E/K times the routed FLOPs, no
+  `[E, T, D]` or `[T, D, F]` array.
+
+  Args:
+    x_TD: f[T, D] tokens.
+    w: f[E, D, F], or an expert-FFN pytree (e.g. `SwiGLU`) with the expert axis first.
+    experts: int[T] (top-1) or int[T, K] expert ids; ids outside [0, E) contribute zero.
+    weights: f[T, K] (the shape of `experts`) combine weights, or None for ones (default).
+
+  Returns:
+    y_TF: f[T, F] in the dtype of `x_TD` (matmuls accumulate in float32).
+
+  Raises:
+    TypeError, ValueError: bad argument shapes or dtypes (at trace time).
+  """
+  x_TD, ffn, E, experts_TK, weights_TK = check_moe_inputs(
+      "moe_masked_scan", x_TD, w, experts, weights)
+
+  def step(y_TF, e_and_ffn):
+    e, ffn_e = e_and_ffn  # ffn_e: the leaves of expert e, without the expert axis
+    routed_TK = experts_TK == e
+    coef_T = jnp.sum(jnp.where(routed_TK, weights_TK, 0.0), axis=1)
+    out_TF = ffn_e(x_TD, dense_matmul)
+    # `where`, not a product: a token not routed to e never picks up e's Inf or NaN.
+    return y_TF + jnp.where(jnp.any(routed_TK, axis=1)[:, None], coef_T[:, None] * out_TF, 0.0), None
+
+  T = x_TD.shape[0]
+  y0_TF = jnp.zeros((T, ffn.d_out), jnp.float32)
+  y_TF, _ = jax.lax.scan(step, y0_TF, (jnp.arange(E, dtype=jnp.int32), ffn))
+  return y_TF.astype(x_TD.dtype)
+
+
+def sort_by_expert(experts_N, num_experts):
+  """Orders items by expert id, invalid ids (outside [0, E)) last.
+
+  Args:
+    experts_N: int[N] expert id of each item.
+    num_experts: E.
+
+  Returns:
+    (order_N: i32[N] item indices in expert order (stable), group_sizes_E: i32[E] valid
+    items per expert, valid_N: bool[N]).
+  """
+  valid_N = (experts_N >= 0) & (experts_N < num_experts)
+  key_N = jnp.where(valid_N, experts_N, num_experts)
+  order_N = jnp.argsort(key_N, stable=True).astype(jnp.int32)
+  group_sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_N].add(1)[:num_experts]
+  return order_N, group_sizes_E, valid_N
+
+
+def inverse_permutation(order_N):
+  """Returns inv with inv[order[i]] = i."""
+  N = order_N.shape[0]
+  return jnp.zeros_like(order_N).at[order_N].set(jnp.arange(N, dtype=order_N.dtype))
+
+
+@functools.partial(jax.named_scope, "moe_ragged_dot")
+def moe_ragged_dot(x_TD, w, experts, weights=None, *, gmm_impl="auto"):
+  """Sorts the (token, slot) items by expert, runs one grouped matmul, unsorts, combines.
+
+  Args:
+    x_TD: f[T, D] tokens.
+    w: f[E, D, F], or an expert-FFN pytree (e.g. `SwiGLU`) with the expert axis first.
+    experts: int[T] (top-1) or int[T, K] expert ids; ids outside [0, E) contribute zero.
+    weights: f[T, K] (the shape of `experts`) combine weights, or None for ones (default).
+    gmm_impl: `grouped_matmul` implementation (default "auto").
+
+  Returns:
+    y_TF: f[T, F] in the dtype of `x_TD` (matmuls accumulate in float32).
+
+  Raises:
+    TypeError, ValueError: bad argument shapes or dtypes (at trace time).
+  """
+  x_TD, ffn, E, experts_TK, weights_TK = check_moe_inputs(
+      "moe_ragged_dot", x_TD, w, experts, weights)
+  T, K = experts_TK.shape
+  with jax.named_scope("permute"):
+    order_N, group_sizes_E, valid_N = sort_by_expert(experts_TK.reshape(-1), E)
+    x_ND = x_TD[order_N // K]  # N = T*K items in expert order; invalid ones last
+  with jax.named_scope("experts"):
+    matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=gmm_impl)
+    y_NF = ffn(x_ND, matmul)  # rows past sum(group_sizes) are zeros
+  with jax.named_scope("unpermute"):
+    y_TKF = y_NF[inverse_permutation(order_N)].reshape(T, K, -1)
+    weights_TK = jnp.where(valid_N.reshape(T, K), weights_TK, 0.0)
+    y_TF = jnp.einsum("tk,tkf->tf", weights_TK, y_TKF)
+  return y_TF.astype(x_TD.dtype)

@@ -1,0 +1,105 @@
+"""Routing: which experts each token goes to, with what weight, and the auxiliary losses.
+
+Router math runs in float32 whatever the dtype of the logits. Nothing here knows about
+meshes or dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_shard import _checks
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """The result of a router, a pytree that passes through `jax.jit`.
+
+  Attributes:
+    weights_TK: f32[T, K] combine weights of each token's experts.
+    experts_TK: i32[T, K] expert ids, highest probability first.
+    probs_TE: f32[T, E] softmax of the router logits.
+  """
+
+  weights_TK: jax.Array
+  experts_TK: jax.Array
+  probs_TE: jax.Array
+
+
+def top_k_routing(logits_TE, k, *, normalize=True) -> Routing:
+  """Picks the k highest-probability experts for each token.
+
+  Args:
+    logits_TE: f[T, E] router logits (any float dtype; the math runs in float32).
+    k: experts per token, a Python int with 1 <= k <= E.
+    normalize: rescale the k weights of each token to sum to 1 (default True). When False
+      the weights are the softmax probabilities themselves.
+
+  Returns:
+    Routing(weights_TK: f32[T, K], experts_TK: i32[T, K], probs_TE: f32[T, E]).
+
+  Raises:
+    TypeError: `logits_TE` is not a float array or `k` is not an int.
+    ValueError: `logits_TE` is not 2-D or `k` is outside [1, E].
+  """
+  logits_TE = _checks.float_array("top_k_routing", "logits_TE", logits_TE, ndim=2)
+  _, E = logits_TE.shape
+  _checks.int_in_range("top_k_routing", "k", k, 1, E)
+  probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
+  weights_TK, experts_TK = jax.lax.top_k(probs_TE, k)
+  if normalize:
+    weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+  return Routing(weights_TK, experts_TK.astype(jnp.int32), probs_TE)
+
+
+def expert_load(experts_TK, num_experts):
+  """Counts the (token, slot) items routed to each expert; ids outside [0, E) are not counted.
+
+  Args:
+    experts_TK: int[T, K] (or int[T]) expert ids.
+    num_experts: E.
+
+  Returns:
+    i32[E] items per expert.
+  """
+  ids = jnp.ravel(experts_TK)
+  valid = (ids >= 0) & (ids < num_experts)
+  return jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, ids, 0)].add(
+      valid.astype(jnp.int32))
+
+
+def load_balancing_loss(routing: Routing):
+  """Returns the Switch/GShard load-balancing loss `E * sum_e f_e * P_e`.
+
+  `f_e` is the fraction of the T*K (token, slot) items routed to expert e and `P_e` the mean
+  router probability of expert e. It is 1.0 when routing is perfectly balanced and E when
+  every token goes to one expert with probability 1. Gradients flow through `P_e` only.
+
+  Args:
+    routing: a `Routing` from `top_k_routing`.
+
+  Returns:
+    f32[] the loss.
+  """
+  T, E = routing.probs_TE.shape
+  f_E = expert_load(routing.experts_TK, E).astype(jnp.float32) / routing.experts_TK.size
+  P_E = jnp.mean(routing.probs_TE.astype(jnp.float32), axis=0)
+  return E * jnp.sum(jax.lax.stop_gradient(f_E) * P_E)
+
+
+def router_z_loss(logits_TE):
+  """Returns the router z-loss `mean_t logsumexp(logits_TE[t])^2` (ST-MoE), in float32.
+
+  Args:
+    logits_TE: f[T, E] router logits.
+
+  Returns:
+    f32[] the loss.
+  """
+  logits_TE = _checks.float_array("router_z_loss", "logits_TE", logits_TE, ndim=2)
+  z_T = jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)
+  return jnp.mean(jnp.square(z_T))
