@@ -17,15 +17,20 @@ Inside a `shard_map` body the letters are per-device sizes.
 from moe_shard.experts import Linear, SwiGLU
 from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
+from moe_shard.parallel import DATA, EXPERT, moe_all_gather, moe_all_to_all
 from moe_shard.routing import (Routing, expert_load, load_balancing_loss, router_z_loss,
                                top_k_routing)
 
 __all__ = [
+    "DATA",
+    "EXPERT",
     "Linear",
     "Routing",
     "SwiGLU",
     "expert_load",
     "grouped_matmul",
+    "moe_all_gather",
+    "moe_all_to_all",
     "load_balancing_loss",
     "moe_masked_scan",
     "moe_ragged_dot",

@@ -69,6 +69,13 @@ class SwiGLU:
   def d_out(self):
     return self.down_EFD.shape[-1]
 
+  def check_shapes(self, fn):
+    """Raises ValueError unless gate, up are [E, D, F] and down is [E, F, D]."""
+    g, u, d = self.gate_EDF.shape, self.up_EDF.shape, self.down_EFD.shape
+    if len(g) != 3 or u != g or d != (g[0], g[2], g[1]):
+      raise ValueError(f"{fn}: SwiGLU needs gate_EDF and up_EDF of one shape [E, D, F] and "
+                       f"down_EFD of shape [E, F, D] (got gate {g}, up {u}, down {d})")
+
   def __call__(self, x_MD, matmul):
     """Applies the expert to tokens; returns f32[M, D]."""
     h_MF = jax.nn.silu(matmul(x_MD, self.gate_EDF)) * matmul(x_MD, self.up_EDF)
@@ -91,24 +98,25 @@ def as_ffn(fn, w):
   """
   if isinstance(w, (jax.Array, jax.core.Tracer)) or hasattr(w, "__array__"):
     w = Linear(_checks.float_array(fn, "w", w, ndim=3))
-  if not (callable(w) and hasattr(w, "d_in") and hasattr(w, "d_out")):
+  if not callable(w) or not all(hasattr(type(w), a) for a in ("d_in", "d_out")):
     raise TypeError(f"{fn}: w must be an f[E, D, F] array or an expert FFN such as SwiGLU "
                     f"(got {type(w).__name__})")
-  leaves = jax.tree.leaves(w)
-  if not leaves:
-    raise ValueError(f"{fn}: w must have at least one array leaf (got {w!r})")
   sizes = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(w):
     name = "w" + jax.tree_util.keystr(path)
-    _checks.float_array(fn, name, leaf)
+    leaf = _checks.float_array(fn, name, leaf)
     if leaf.ndim < 1:
       raise ValueError(f"{fn}: {name} must have the expert axis first (got a scalar)")
     sizes[name] = leaf.shape[0]
+  if not sizes:
+    raise ValueError(f"{fn}: w must have at least one array leaf (got {w!r})")
   if len(set(sizes.values())) != 1:
     listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
     raise ValueError(f"{fn}: every leaf of w must have the same number of experts on axis 0 "
                      f"(got {listed})")
-  return w, leaves[0].shape[0]
+  if hasattr(w, "check_shapes"):
+    w.check_shapes(fn)
+  return w, next(iter(sizes.values()))
 
 
 def dense_matmul(x_MD, w_DF):

@@ -60,7 +60,7 @@ def check_moe_inputs(fn, x_TD, w, experts, weights):
   return x_TD, ffn, E, experts_TK.astype(jnp.int32), weights_TK
 
 
-@functools.partial(jax.named_scope, "moe_masked_scan")
+@jax.named_scope("moe_masked_scan")
 def moe_masked_scan(x_TD, w, experts, weights=None):
   """Applies each expert to every token and keeps the routed outputs: the ground truth.
 
@@ -121,7 +121,7 @@ def inverse_permutation(order_N):
   return jnp.zeros_like(order_N).at[order_N].set(jnp.arange(N, dtype=order_N.dtype))
 
 
-@functools.partial(jax.named_scope, "moe_ragged_dot")
+@jax.named_scope("moe_ragged_dot")
 def moe_ragged_dot(x_TD, w, experts, weights=None, *, gmm_impl="auto"):
   """Sorts the (token, slot) items by expert, runs one grouped matmul, unsorts, combines.
 
@@ -140,15 +140,24 @@ def moe_ragged_dot(x_TD, w, experts, weights=None, *, gmm_impl="auto"):
   """
   x_TD, ffn, E, experts_TK, weights_TK = check_moe_inputs(
       "moe_ragged_dot", x_TD, w, experts, weights)
+  return ragged_combine(x_TD, ffn, E, experts_TK, weights_TK, gmm_impl).astype(x_TD.dtype)
+
+
+def ragged_combine(x_TD, ffn, num_experts, experts_TK, weights_TK, gmm_impl="auto"):
+  """The body of `moe_ragged_dot` on checked inputs; returns f32[T, F].
+
+  Ids outside [0, num_experts) contribute zero, so a caller can pass ids relative to a
+  slice of experts (`ffn` holding only those) and get that slice's partial output.
+  """
   T, K = experts_TK.shape
   with jax.named_scope("permute"):
-    order_N, group_sizes_E, valid_N = sort_by_expert(experts_TK.reshape(-1), E)
+    order_N, group_sizes_E, valid_N = sort_by_expert(experts_TK.reshape(-1), num_experts)
     x_ND = x_TD[order_N // K]  # N = T*K items in expert order; invalid ones last
   with jax.named_scope("experts"):
-    matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=gmm_impl)
+    matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=gmm_impl,
+                               preferred_element_type=jnp.float32)
     y_NF = ffn(x_ND, matmul)  # rows past sum(group_sizes) are zeros
   with jax.named_scope("unpermute"):
     y_TKF = y_NF[inverse_permutation(order_N)].reshape(T, K, -1)
     weights_TK = jnp.where(valid_N.reshape(T, K), weights_TK, 0.0)
-    y_TF = jnp.einsum("tk,tkf->tf", weights_TK, y_TKF)
-  return y_TF.astype(x_TD.dtype)
+    return jnp.einsum("tk,tkf->tf", weights_TK, y_TKF)

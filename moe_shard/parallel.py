@@ -1,0 +1,358 @@
+"""Expert parallelism with `jax.shard_map`: the only module that issues collectives.
+
+Tokens are split over every mesh axis; expert parameters over the expert axis only
+(replicated over the others, e.g. "data"). Each group of devices along the expert axis
+serves its own tokens with the E experts split L = E / N per device.
+
+  * `moe_all_gather`: all_gather tokens and routing along the expert axis, each device runs
+    its L experts on the items routed to them, a reduce-scatter returns the outputs.
+  * `moe_all_to_all`: each device sorts its items by destination device and sends them in
+    rounds of fixed-size `lax.all_to_all`s; dropless, with the number of rounds set on device
+    by the busiest (source, destination) pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_shard import _checks, local, plan as plan_lib
+from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.routing import expert_load
+
+EXPERT = "expert"
+DATA = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Static facts about a call: mesh, axes and sizes."""
+
+  mesh: jax.sharding.Mesh
+  expert_axis: str
+  num_experts: int  # E
+  tokens: int  # T before padding
+  padded: int  # T after padding to a multiple of the device count
+
+  @property
+  def all_axes(self):
+    return tuple(self.mesh.axis_names)
+
+  @property
+  def other_axes(self):
+    return tuple(a for a in self.mesh.axis_names if a != self.expert_axis)
+
+  @property
+  def n(self):
+    return self.mesh.shape[self.expert_axis]
+
+  @property
+  def token_spec(self):
+    return P(self.all_axes)
+
+
+def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
+  """Checks, pads T to a multiple of the device count and places the inputs on the mesh."""
+  x_TD, ffn, E, experts_TK, weights_TK = local.check_moe_inputs(fn, x_TD, w, experts, weights)
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh (got {type(mesh).__name__})")
+  if expert_axis not in mesh.axis_names:
+    raise ValueError(f"{fn}: expert_axis {expert_axis!r} must be an axis of the mesh "
+                     f"(got axes {tuple(mesh.axis_names)})")
+  _checks.divisible(fn, "num_experts", E, f"the '{expert_axis}' axis size",
+                    mesh.shape[expert_axis])
+  T = x_TD.shape[0]
+  pad = -T % mesh.size
+  if pad:  # padding tokens route nowhere (id -1) and are trimmed from the output
+    # Pad replicated arrays: a T that does not divide cannot be split over the mesh.
+    x_TD, experts_TK, weights_TK = (_place(a, mesh, P())
+                                    for a in (x_TD, experts_TK, weights_TK))
+    x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
+    experts_TK = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1)
+    weights_TK = jnp.pad(weights_TK, ((0, pad), (0, 0)))
+  lay = _Layout(mesh, expert_axis, E, T, T + pad)
+  x_TD, experts_TK, weights_TK = (_place(a, mesh, lay.token_spec)
+                                  for a in (x_TD, experts_TK, weights_TK))
+  ffn = jax.tree.map(lambda leaf: _place(leaf, mesh, P(expert_axis)), ffn)
+  return lay, x_TD, ffn, experts_TK, weights_TK
+
+
+def _place(a, mesh, spec):
+  """Puts `a` on the mesh with `spec`, inside or outside jit, for Auto or Explicit axes."""
+  sharding = NamedSharding(mesh, spec)
+  if not isinstance(a, jax.core.Tracer):
+    return jax.device_put(a, sharding)
+  if all(t == AxisType.Explicit for t in mesh.axis_types):
+    return jax.sharding.reshard(a, sharding)
+  return jax.lax.with_sharding_constraint(a, sharding)
+
+
+def _trim(y_TF, lay):
+  """Drops the padding tokens (T that does not divide leaves the output replicated)."""
+  if lay.padded == lay.tokens:
+    return y_TF
+  if all(t == AxisType.Explicit for t in lay.mesh.axis_types):
+    y_TF = _place(y_TF, lay.mesh, P()) if isinstance(y_TF, jax.core.Tracer) else \
+        jax.sharding.reshard(y_TF, NamedSharding(lay.mesh, P()))
+  return y_TF[:lay.tokens]
+
+
+def _vary_over(tree, axes):
+  """Marks expert parameters (replicated over `axes`) as varying there, inside shard_map.
+
+  Its transpose sums the parameter gradients over `axes`.
+  """
+  return jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), tree) if axes else tree
+
+
+# --------------------------------------------------------------------------- all_gather
+
+
+def moe_all_gather(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
+                   gmm_impl="auto"):
+  """Expert-parallel MoE: all_gather tokens, compute local experts, reduce-scatter.
+
+  Each device gathers the tokens, expert ids and weights of the N devices on its expert
+  axis, runs its L = E / N experts on the items routed to them (sort + grouped matmul), and
+  a reduce-scatter sums the N partial outputs of each token on the device that owns it.
+  Moves about (N - 1) * T * (D + F) elements per device: best when K >= N.
+
+  Args:
+    x_TD: f[T, D] tokens (global shape; split over every mesh axis inside).
+    w: f[E, D, F], or an expert-FFN pytree with the expert axis first (split over
+      `expert_axis`, replicated over the other axes).
+    experts: int[T] or int[T, K] expert ids; ids outside [0, E) contribute zero.
+    weights: f[T, K] combine weights (the shape of `experts`), or None for ones (default).
+    mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types. Inputs are
+      placed (resharded) on it as needed.
+    expert_axis: name of the mesh axis experts are split over (default "expert").
+    gmm_impl: `grouped_matmul` implementation (default "auto").
+
+  Returns:
+    y_TF: f[T, F] in the dtype of `x_TD`, split over the mesh like the tokens.
+
+  Raises:
+    TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
+  """
+  lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
+      "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis)
+  body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
+  tok = lay.token_spec
+  y_TF = jax.shard_map(body, mesh=mesh,
+                       in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
+                       out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
+  return _trim(y_TF, lay)
+
+
+def _all_gather_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, gmm_impl):
+  # Per-device sizes: T tokens of this device, L = E / N local experts.
+  axis = lay.expert_axis
+  L = lay.num_experts // lay.n
+  ffn_L = _vary_over(ffn_L, lay.other_axes)
+  # Every device receives the tokens, ids and weights of all N devices on its expert axis.
+  with jax.named_scope("all_gather"):
+    x_MD, experts_MK, weights_MK = (jax.lax.all_gather(a, axis, axis=0, tiled=True)
+                                    for a in (x_TD, experts_TK, weights_TK))
+  with jax.named_scope("local_experts"):
+    local_MK = experts_MK - jax.lax.axis_index(axis) * L  # outside [0, L): not ours, zero
+    y_MF = local.ragged_combine(x_MD, ffn_L, L, local_MK, weights_MK, gmm_impl)
+  # Each device receives, summed over the N devices, the partial outputs of its own tokens.
+  with jax.named_scope("reduce_scatter"):
+    y_TF = jax.lax.psum_scatter(y_MF.astype(x_TD.dtype), axis, scatter_dimension=0,
+                                tiled=True)
+  return y_TF
+
+
+# --------------------------------------------------------------------------- all_to_all
+
+
+def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
+                   chunk_size=None, return_stats=False, gmm_impl="auto"):
+  """Expert-parallel MoE: dropless chunked all_to_all dispatch, compute, and return.
+
+  Each device sorts its T*K (token, slot) items by destination device. Round 0 sends the
+  first C_first items of every (source, destination) queue with one `lax.all_to_all`
+  (`[N, C, D]` per device), the receiver runs its L = E / N experts on them through the
+  grouped matmul, and a second `all_to_all` brings the outputs back, where they are
+  combined with the weights. A `while_loop` runs overflow rounds of C_overflow items until
+  the busiest queue on the mesh is empty; the count is computed on device (no host sync,
+  no dropped token). Buffers are per round, never `[N, T, D]`.
+
+  The backward pass (a `custom_vjp`) replays the same rounds: each round's gradient is the
+  same dispatch reversed.
+
+  Args:
+    x_TD: f[T, D] tokens (global shape; split over every mesh axis inside).
+    w: f[E, D, F], or an expert-FFN pytree with the expert axis first (split over
+      `expert_axis`, replicated over the other axes).
+    experts: int[T] or int[T, K] expert ids; ids outside [0, E) contribute zero.
+    weights: f[T, K] combine weights (the shape of `experts`), or None for ones (default).
+    mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types.
+    expert_axis: name of the mesh axis experts are split over (default "expert").
+    chunk_size: None (default): C_first = the expected (source, destination) load
+      T_dev*K/N rounded up to a multiple of 8 and C_overflow = C_first/4 (>= 8), so padding
+      stays near 25% under uniform routing and skew costs small extra rounds. An int C uses
+      C for every round; a pair (C_first, C_overflow) sets both.
+    return_stats: also return a dict of dispatch statistics (default False).
+    gmm_impl: `grouped_matmul` implementation (default "auto").
+
+  Returns:
+    y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats
+    holds `rounds` (i32[]), `sent_items` and `sent_slots` (i32[devices]: valid items and
+    all slots, padding included, sent per device; self included), `expert_load` (i32[E]),
+    `invalid_ids` (i32[]: ids outside [0, E)), `chunk_first` and `chunk_overflow` (ints).
+
+  Raises:
+    TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
+  """
+  fn = "moe_all_to_all"
+  lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
+      fn, x_TD, w, experts, weights, mesh, expert_axis)
+  chunks = plan_lib.default_chunks(lay.padded // mesh.size, experts_TK.shape[1], lay.n,
+                                   chunk_size)
+  body = functools.partial(_all_to_all_body, lay=lay, chunks=chunks, gmm_impl=gmm_impl)
+  tok = lay.token_spec
+  stats_specs = dict(rounds=P(), sent_items=tok, sent_slots=tok, expert_load=P(),
+                     invalid_ids=P())
+  y_TF, stats = jax.shard_map(
+      body, mesh=mesh,
+      in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
+      out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
+  y_TF = _trim(y_TF, lay)
+  if not return_stats:
+    return y_TF
+  # Padding tokens carry id -1 on each of their K slots; they are not the caller's.
+  stats["invalid_ids"] = stats["invalid_ids"] - (lay.padded - lay.tokens) * experts_TK.shape[1]
+  stats.update(chunk_first=chunks.first, chunk_overflow=chunks.overflow)
+  return y_TF, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class _A2A:
+  """Static configuration of one all_to_all dispatch (hashable: a custom_vjp nondiff arg)."""
+
+  axis: str
+  n: int  # N devices on the expert axis
+  local_experts: int  # L
+  chunks: plan_lib.Chunks
+  gmm_impl: str
+
+
+def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_impl):
+  # Per-device sizes: T tokens of this device, K slots, L = E / N local experts.
+  cfg = _A2A(lay.expert_axis, lay.n, lay.num_experts // lay.n, chunks, gmm_impl)
+  with jax.named_scope("plan"):
+    plan = plan_lib.send_plan(experts_TK, lay.num_experts, lay.n)
+    local_I = experts_TK.reshape(-1) % cfg.local_experts  # local expert id at the receiver
+    # Every device runs as many rounds as the busiest queue on the whole mesh needs.
+    rounds = chunks.rounds(jax.lax.pmax(jnp.max(plan.count_N), lay.all_axes))
+  ffn_L = _vary_over(ffn_L, lay.other_axes)
+  y_TF = _dispatch(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
+  sent = jnp.sum(plan.count_N)
+  stats = dict(
+      rounds=rounds.astype(jnp.int32),
+      sent_items=sent[None],
+      sent_slots=(cfg.n * (chunks.first + (rounds - 1) * chunks.overflow))[None].astype(jnp.int32),
+      expert_load=jax.lax.psum(expert_load(experts_TK, lay.num_experts), lay.all_axes),
+      invalid_ids=jax.lax.psum(jnp.sum(~plan.valid_I).astype(jnp.int32), lay.all_axes),
+  )
+  return y_TF.astype(x_TD.dtype), stats
+
+
+def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
+  """One round: send the items of `slots_NC`, run the local experts, return, combine.
+
+  Args:
+    cfg: `_A2A`.
+    x_TD: f[T, D] this device's tokens.
+    ffn_L: the expert FFN of this device's L experts.
+    weights_TK: f32[T, K] combine weights.
+    slots_NC: i32[N, C] item (t * K + j) in each (destination, slot), -1 for padding.
+    local_I: i32[T * K] local expert id of each item at its destination.
+
+  Returns:
+    f32[T, F] this round's contribution to the output.
+  """
+  T, K = weights_TK.shape
+  N, C = slots_NC.shape
+  live_NC = slots_NC >= 0
+  item_NC = jnp.maximum(slots_NC, 0)
+  send_NCD = jnp.where(live_NC[..., None], x_TD[item_NC // K], 0)
+  ids_NC = jnp.where(live_NC, local_I[item_NC], cfg.local_experts)
+  # Each device sends row n of its buffers to device n and receives, from every device s,
+  # the items s routes to the experts of this device.
+  with jax.named_scope("dispatch"):
+    recv_NCD = jax.lax.all_to_all(send_NCD, cfg.axis, 0, 0, tiled=True)
+    rids_NC = jax.lax.all_to_all(ids_NC, cfg.axis, 0, 0, tiled=True)
+  with jax.named_scope("local_experts"):
+    out_NCF = _local_experts(cfg, recv_NCD.reshape(N * C, -1), rids_NC.reshape(-1), ffn_L)
+    out_NCF = out_NCF.reshape(N, C, -1).astype(x_TD.dtype)
+  # Each device returns the outputs to the devices the items came from.
+  with jax.named_scope("return"):
+    back_NCF = jax.lax.all_to_all(out_NCF, cfg.axis, 0, 0, tiled=True)
+  with jax.named_scope("combine"):
+    w_NC = jnp.where(live_NC, weights_TK.reshape(-1)[item_NC], 0.0)
+    token_NC = jnp.where(live_NC, item_NC // K, T)  # padding: index T, dropped
+    contrib_TF = jnp.zeros_like(weights_TK, shape=(T, back_NCF.shape[-1]))
+    return contrib_TF.at[token_NC].add(w_NC[..., None] * back_NCF.astype(jnp.float32),
+                                       mode="drop")
+
+
+def _local_experts(cfg, x_MD, ids_M, ffn_L):
+  """Runs the L local experts on received rows (id L = padding, gives zeros); f32[M, F]."""
+  order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, cfg.local_experts)
+  matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_L, impl=cfg.gmm_impl,
+                             preferred_element_type=jnp.float32)
+  y_MF = ffn_L(x_MD[order_M], matmul)
+  return y_MF[local.inverse_permutation(order_M)]
+
+
+def _loop_rounds(cfg, plan, rounds, first, step):
+  """Folds `step(acc, slots_NC)` over round 0 (C_first) and the overflow rounds."""
+  acc = first(plan_lib.round_slots(plan, 0, cfg.chunks.first))
+
+  def cond(carry):
+    return carry[0] < rounds
+
+  def body(carry):
+    r, acc = carry
+    slots_NC = plan_lib.round_slots(plan, cfg.chunks.start(r), cfg.chunks.overflow)
+    return r + 1, step(acc, slots_NC)
+
+  return jax.lax.while_loop(cond, body, (jnp.ones((), jnp.int32), acc))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
+  """Sum over rounds of `_round`: f32[T, F]. Differentiable in x, ffn and weights."""
+  run = functools.partial(_round, cfg, x_TD, ffn_L, weights_TK, local_I=local_I)
+  return _loop_rounds(cfg, plan, rounds, lambda s: run(slots_NC=s),
+                      lambda acc, s: acc + run(slots_NC=s))
+
+
+def _dispatch_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
+  y = _dispatch(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
+  return y, (x_TD, ffn_L, weights_TK, plan, local_I, rounds)
+
+
+def _dispatch_bwd(cfg, res, dy_TF):
+  x_TD, ffn_L, weights_TK, plan, local_I, rounds = res
+
+  def grads(slots_NC):
+    _, vjp = jax.vjp(
+        lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I), x_TD, ffn_L, weights_TK)
+    return vjp(dy_TF)
+
+  def add(acc, slots_NC):
+    return jax.tree.map(jnp.add, acc, grads(slots_NC))
+
+  dx, dffn, dw = _loop_rounds(cfg, plan, rounds, grads, add)
+  return dx, dffn, dw, None, None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
