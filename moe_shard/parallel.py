@@ -27,6 +27,7 @@ from moe_shard.routing import expert_load
 
 EXPERT = "expert"
 DATA = "data"
+OVERFLOW_SCOPE = "a2a_overflow_rounds"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +325,9 @@ def _loop_rounds(cfg, plan, rounds, first, step):
     slots_NC = plan_lib.round_slots(plan, cfg.chunks.start(r), cfg.chunks.overflow)
     return r + 1, step(acc, slots_NC)
 
-  return jax.lax.while_loop(cond, body, (jnp.ones((), jnp.int32), acc))[1]
+  # Named so that measure.collective_bytes can scale the loop body by rounds - 1.
+  with jax.named_scope(OVERFLOW_SCOPE):
+    return jax.lax.while_loop(cond, body, (jnp.ones((), jnp.int32), acc))[1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
