@@ -1,0 +1,421 @@
+"""What a compiled program executes: FLOPs, memory and collective bytes, read from XLA.
+
+Three sources, all from `jax.jit(f).lower(*args).compile()` (nothing is run):
+
+  * `compiled.cost_analysis()["flops"]`: XLA's FLOP count. It visits every computation of
+    the module once, so a `while_loop` body counts once whatever its trip count.
+  * `compiled.memory_analysis()`: temp / argument / output / alias bytes.
+  * `compiled.as_text()`: the optimised HLO, parsed here (`parse_hlo`) into computations,
+    the FLOPs of their dots, their collectives, and the while loops that run them.
+
+Executed FLOPs (`executed_flops`). Each computation c of the module runs `executions(c)`
+times: the entry once; a computation called by a fusion, call or conditional as often as
+its caller; a while body `n` times per run of its caller, where n is XLA's
+`known_trip_count` when the trip count is static, or the caller's number otherwise
+(`trip_counts`, keyed by the `jax.named_scope` around the loop; see below). Then
+
+    executed = cost_analysis()["flops"] + sum_c dot_flops(c) * (executions(c) - 1)
+
+that is, XLA's own count, plus each computation's dots once more for every extra run (or
+minus once for a loop body that never runs). dot_flops(c) = 2 * prod(result dims) *
+prod(contracting dims) over the `dot` instructions of c and of the fusions it calls (not of
+nested loop bodies, which are computations of their own). Elementwise FLOPs inside loop
+bodies stay counted once; for matmul-heavy loops they are well under 1%.
+
+Naming loops. Put the loop under a scope, `with jax.named_scope("gmm_tile_64"):
+lax.while_loop(...)`: XLA keeps the scope in the while instruction's metadata
+(`op_name=".../gmm_tile_64/while"`), and `trip_counts={"gmm_tile_64": 37}` says that loop's
+body runs 37 times in total over the whole program run (not per entry of the enclosing
+loop). Every while instruction whose scope matches gets that count (e.g. the forward and
+the backward loops of a custom_vjp).
+
+Collective bytes (`collective_bytes`). For each all-to-all, all-gather, reduce-scatter,
+all-reduce and collective-permute (also their async `-start` forms), the bytes of its
+operands and of its result, per device: an all-to-all prints a tuple of N operands and N
+results, an all-gather's result is N times its operand, a reduce-scatter's result is 1/N of
+its operand. Totals are kept per computation (`HloModule.collectives`) so a caller can see
+which ones sit in a while body (`HloModule.loops`) and scale them by its trip count;
+`collective_bytes(..., trip_counts)` does that scaling with the same rule as FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+
+COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce",
+               "collective-permute")
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16, "s4": 0.5, "u4": 0.5}
+_ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLED_RE = re.compile(
+    r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OPNAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+def compile_fn(fn, *args, **jit_kwargs):
+  """Lowers and compiles `jax.jit(fn, **jit_kwargs)` for `args` (arrays or ShapeDtypeStructs).
+
+  Returns:
+    the `jax.stages.Compiled` executable (not run).
+  """
+  return jax.jit(fn, **jit_kwargs).lower(*args).compile()
+
+
+def cost_flops(compiled):
+  """XLA's FLOP count (`cost_analysis()["flops"]`); loop bodies counted once."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0]
+  return float(cost.get("flops", 0.0))
+
+
+def memory_bytes(compiled):
+  """Returns {"temp", "argument", "output", "alias", "generated_code"}: bytes from XLA.
+
+  `temp` is the scratch the program allocates besides its arguments and outputs.
+  """
+  m = compiled.memory_analysis()
+  return {"temp": int(m.temp_size_in_bytes), "argument": int(m.argument_size_in_bytes),
+          "output": int(m.output_size_in_bytes), "alias": int(m.alias_size_in_bytes),
+          "generated_code": int(m.generated_code_size_in_bytes)}
+
+
+def shape_bytes(type_str):
+  """Bytes of an HLO type string, e.g. "f32[8,4]{1,0}" or a tuple "(f32[2], s32[])"."""
+  total = 0
+  for dtype, dims in _ARRAY_RE.findall(type_str):
+    if dtype not in _DTYPE_BYTES:
+      continue
+    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+    total += n * _DTYPE_BYTES[dtype]
+  return int(total)
+
+
+def _dims(type_str):
+  m = _ARRAY_RE.search(type_str)
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  type: str  # result type, e.g. "f32[8,4]{1,0}"
+  opcode: str
+  operands: list  # operand instruction names
+  attrs: str  # everything after the operand list
+
+
+@dataclasses.dataclass
+class WhileLoop:
+  """One while instruction: where it is, what it runs, and its scope."""
+
+  name: str  # the while instruction
+  parent: str  # the computation that contains it
+  body: str
+  condition: str
+  op_name: str  # metadata op_name, e.g. "jit(f)/gmm_tile_64/while"
+  known_trip_count: int | None  # XLA's static trip count, if it knows one
+
+  def scope(self):
+    """The named scope just around the loop ("gmm_tile_64"), or "" if none.
+
+    Transformation wrappers that JAX adds to scope names ("jvp(gmm_tile_64)",
+    "transpose(jvp(gmm_tile_64))") are removed.
+    """
+    parts = self.op_name.split("/")
+    scope = parts[-2] if len(parts) >= 2 and parts[-1] == "while" else ""
+    while (m := re.fullmatch(r"[\w]+\((.*)\)", scope)):
+      scope = m.group(1)
+    return scope
+
+
+@dataclasses.dataclass
+class HloModule:
+  """Per-computation summary of an optimised HLO module.
+
+  Attributes:
+    entry: name of the entry computation.
+    calls: computation -> list of (callee, kind): kind is "while" for a while body, "cond"
+      for a while condition, "call" for anything else (fusion, call, conditional, reducer).
+    dot_flops: computation -> FLOPs of its own dot instructions.
+    collectives: computation -> {kind: {"count", "operand_bytes", "result_bytes"}} for its
+      own collective instructions.
+    loops: the while instructions, in text order.
+  """
+
+  entry: str
+  calls: dict
+  dot_flops: dict
+  collectives: dict
+  loops: list
+
+  def executions(self, trip_counts=None, default_trip_count=None):
+    """Returns computation -> how many times it runs in one run of the program.
+
+    Args:
+      trip_counts: {scope: total iterations} for loops under `jax.named_scope(scope)`;
+        the count is the total over the whole run. Default None.
+      default_trip_count: iterations per entry for a loop that has neither a known trip
+        count nor a `trip_counts` entry (default None: raise).
+
+    Raises:
+      ValueError: a loop whose trip count is unknown and not given.
+    """
+    trip_counts = dict(trip_counts or {})
+    by_body = {lp.body: lp for lp in self.loops}
+    # Kahn's order over the call graph (a DAG): a computation's count is final before
+    # its callees get theirs.
+    indegree = {}
+    for comp, callees in self.calls.items():
+      for callee, _ in callees:
+        indegree[callee] = indegree.get(callee, 0) + 1
+    runs = {self.entry: 1.0}
+    ready = [self.entry]
+    while ready:
+      comp = ready.pop()
+      for callee, kind in self.calls.get(comp, ()):
+        n = runs.get(comp, 0.0)
+        if kind == "while":
+          lp = by_body[callee]
+          if lp.scope() in trip_counts:
+            n = float(trip_counts[lp.scope()])
+          elif lp.known_trip_count is not None:
+            n = lp.known_trip_count * runs.get(comp, 0.0)
+          elif default_trip_count is not None:
+            n = default_trip_count * runs.get(comp, 0.0)
+          else:
+            raise ValueError(
+                f"measure: while loop {lp.name} (scope {lp.scope()!r}, op_name "
+                f"{lp.op_name!r}) has no known trip count; pass trip_counts="
+                f"{{{lp.scope()!r}: total iterations}} or default_trip_count")
+        runs[callee] = runs.get(callee, 0.0) + n
+        indegree[callee] -= 1
+        if indegree[callee] == 0:
+          ready.append(callee)
+    return runs
+
+
+def parse_hlo(text):
+  """Parses `compiled.as_text()` into an `HloModule`."""
+  comps = {}  # name -> list[Instruction]
+  entry = None
+  current = None
+  for line in text.splitlines():
+    if current is None:
+      m = _HEADER_RE.match(line)
+      if m:
+        current = m.group(2)
+        comps[current] = []
+        if m.group(1):
+          entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    ins = _parse_instruction(line)
+    if ins is not None:
+      comps[current].append(ins)
+  if entry is None:
+    raise ValueError("measure: no ENTRY computation in the HLO text")
+
+  calls, dot_flops, collectives, loops = {}, {}, {}, []
+  for comp, instrs in comps.items():
+    types = {ins.name: ins.type for ins in instrs}
+    flops = 0.0
+    coll = {}
+    callees = []
+    for ins in instrs:
+      if ins.opcode == "dot":
+        flops += _dot_flops(ins, types)
+      kind = _collective_kind(ins.opcode)
+      if kind:
+        c = coll.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0})
+        c["count"] += 1
+        c["operand_bytes"] += sum(shape_bytes(types.get(o, "")) for o in ins.operands)
+        c["result_bytes"] += _result_bytes(ins)
+      for key, callee in _CALLED_RE.findall(ins.attrs):
+        kind_call = {"body": "while", "condition": "cond"}.get(key, "call")
+        callees.append((callee, kind_call))
+      for group in _BRANCHES_RE.findall(ins.attrs):
+        callees.extend((b.strip().lstrip("%"), "call") for b in group.split(",") if b.strip())
+      if ins.opcode == "while":
+        body = re.search(r"\bbody=%?([\w.\-]+)", ins.attrs).group(1)
+        cond = re.search(r"\bcondition=%?([\w.\-]+)", ins.attrs).group(1)
+        trip = _TRIP_RE.search(ins.attrs)
+        op_name = _OPNAME_RE.search(ins.attrs)
+        loops.append(WhileLoop(ins.name, comp, body, cond, op_name.group(1) if op_name else "",
+                               int(trip.group(1)) if trip else None))
+    calls[comp] = callees
+    dot_flops[comp] = flops
+    if coll:
+      collectives[comp] = coll
+  return HloModule(entry, calls, dot_flops, collectives, loops)
+
+
+def _parse_instruction(line):
+  m = _INSTR_RE.match(line)
+  if not m:
+    return None
+  name, rest = m.group(2), m.group(3)
+  if rest.startswith("("):  # tuple type: up to the matching parenthesis
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        break
+    type_str, rest = rest[:i + 1], rest[i + 1:].lstrip()
+  else:
+    type_str, _, rest = rest.partition(" ")
+  op = re.match(r"([\w\-]+)\((.*)$", rest)
+  if not op:
+    return None
+  opcode, tail = op.group(1), op.group(2)
+  depth, i = 1, 0
+  for i, ch in enumerate(tail):
+    depth += ch in "({"
+    depth -= ch in ")}"
+    if depth == 0:
+      break
+  operand_str, attrs = tail[:i], tail[i + 1:]
+  operands = [o.group(1) for o in re.finditer(r"%([\w.\-]+)", operand_str)]
+  return Instruction(name, type_str, opcode, operands, attrs)
+
+
+def _dot_flops(ins, types):
+  out = _dims(ins.type)
+  lhs = _dims(types.get(ins.operands[0], "")) if ins.operands else []
+  m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+  contract = [int(d) for d in m.group(1).split(",") if d] if m else []
+  k = int(np.prod([lhs[d] for d in contract])) if lhs and contract else 1
+  return 2.0 * float(np.prod(out)) * k
+
+
+def _collective_kind(opcode):
+  for kind in COLLECTIVES:
+    if opcode == kind or opcode == kind + "-start":
+      return kind
+  return None
+
+
+def _result_bytes(ins):
+  if ins.opcode.endswith("-start"):
+    # Async start ops return ((operands), (results), ...); count the results only.
+    inner = ins.type[1:-1] if ins.type.startswith("(") else ins.type
+    parts = _split_top_level(inner)
+    return shape_bytes(parts[1]) if len(parts) > 1 else shape_bytes(ins.type)
+  return shape_bytes(ins.type)
+
+
+def _split_top_level(s):
+  parts, depth, start = [], 0, 0
+  for i, ch in enumerate(s):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if ch == "," and depth == 0:
+      parts.append(s[start:i])
+      start = i + 1
+  parts.append(s[start:])
+  return [p.strip() for p in parts]
+
+
+def _module(compiled_or_text):
+  if isinstance(compiled_or_text, HloModule):
+    return compiled_or_text
+  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+  return parse_hlo(text)
+
+
+def executed_flops(compiled, trip_counts=None, *, default_trip_count=None):
+  """FLOPs one run of `compiled` executes, loop bodies times their trip counts.
+
+  executed = cost_analysis()["flops"] + sum_c dot_flops(c) * (executions(c) - 1); see the
+  module docstring.
+
+  Args:
+    compiled: a `jax.stages.Compiled`.
+    trip_counts: {scope: total iterations} for loops with a data-dependent trip count
+      (default None).
+    default_trip_count: iterations per entry for other unknown loops (default None: raise).
+
+  Returns:
+    dict with "executed" (the count above), "xla" (cost_analysis, bodies once),
+    "dot_executed" (dot FLOPs only, times executions) and "loops": [{scope, body,
+    dot_flops_per_iteration, iterations}].
+  """
+  mod = _module(compiled)
+  runs = mod.executions(trip_counts, default_trip_count)
+  own = _own_dot_flops(mod)
+  xla = cost_flops(compiled)
+  executed = xla + sum(f * (runs.get(c, 0.0) - 1.0) for c, f in own.items())
+  loops = [{"scope": lp.scope(), "body": lp.body, "dot_flops_per_iteration": own[lp.body],
+            "iterations": runs.get(lp.body, 0.0)} for lp in mod.loops]
+  return {"executed": executed, "xla": xla,
+          "dot_executed": sum(f * runs.get(c, 0.0) for c, f in own.items()), "loops": loops}
+
+
+def _own_dot_flops(mod):
+  """Dot FLOPs of each computation that is an entry or loop body, including the fusions,
+  calls and conditionals it reaches without crossing a while loop."""
+  roots = {mod.entry} | {lp.body for lp in mod.loops} | {lp.condition for lp in mod.loops}
+  out = {}
+  for root in roots:
+    total, stack, seen = 0.0, [root], {root}
+    while stack:
+      c = stack.pop()
+      total += mod.dot_flops.get(c, 0.0)
+      for callee, kind in mod.calls.get(c, ()):
+        if kind == "call" and callee not in seen:
+          seen.add(callee)
+          stack.append(callee)
+    out[root] = total
+  return out
+
+
+def collective_bytes(compiled, trip_counts=None, *, default_trip_count=None):
+  """Collective bytes per device that one run of `compiled` moves, per kind.
+
+  Args:
+    compiled: a `jax.stages.Compiled` (or its HLO text, or an `HloModule`).
+    trip_counts, default_trip_count: as in `executed_flops`, for collectives in loops.
+
+  Returns:
+    {kind: {"count", "operand_bytes", "result_bytes"}}, each multiplied by how often its
+    computation runs (fractional counts never occur for integer trip counts).
+  """
+  mod = _module(compiled)
+  runs = mod.executions(trip_counts, default_trip_count) if mod.collectives else {}
+  # A collective inside a fusion or call runs as often as the nearest entry/loop body.
+  home = _home_computations(mod)
+  total = {}
+  for comp, kinds in mod.collectives.items():
+    n = runs.get(comp, runs.get(home.get(comp, mod.entry), 1.0))
+    for kind, c in kinds.items():
+      t = total.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0})
+      for key in t:
+        t[key] += c[key] * n
+  return {k: {key: int(v) for key, v in t.items()} for k, t in total.items()}
+
+
+def _home_computations(mod):
+  home = {}
+  roots = [mod.entry] + [lp.body for lp in mod.loops]
+  for root in roots:
+    stack = [root]
+    while stack:
+      c = stack.pop()
+      for callee, kind in mod.calls.get(c, ()):
+        if kind == "call" and callee not in home:
+          home[callee] = root
+          stack.append(callee)
+  return home

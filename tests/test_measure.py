@@ -1,0 +1,171 @@
+"""`moe_shard.measure` against programs whose FLOPs and bytes are known by construction."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_shard import measure
+
+gmm = importlib.import_module("moe_shard.grouped_matmul")
+N = 8  # simulated devices (tests/conftest.py)
+
+
+def _spec(shape, dtype=jnp.float32, sharding=None):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def test_shape_bytes():
+  assert measure.shape_bytes("f32[8,4]{1,0}") == 128
+  assert measure.shape_bytes("bf16[3,5]") == 30
+  assert measure.shape_bytes("pred[]") == 1
+  assert measure.shape_bytes("(f32[2]{0}, s32[], /*index=2*/u8[4])") == 8 + 4 + 4
+  assert measure.shape_bytes("token[]") == 0
+
+
+def test_matmul_flops_and_memory():
+  M, K, N_ = 64, 32, 48
+  compiled = measure.compile_fn(lambda a, b: a @ b, _spec((M, K)), _spec((K, N_)))
+  flops = measure.executed_flops(compiled)
+  assert flops["executed"] == flops["xla"] == flops["dot_executed"] == 2 * M * K * N_
+  mem = measure.memory_bytes(compiled)
+  assert mem["argument"] == 4 * (M * K + K * N_)
+  assert mem["output"] == 4 * M * N_
+
+
+def test_static_loop_counts_its_trip_count():
+  M, K, n = 16, 8, 5
+
+  def f(a, b):
+    return jax.lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ b), a)
+
+  compiled = measure.compile_fn(f, _spec((M, K)), _spec((K, K)))
+  flops = measure.executed_flops(compiled)
+  (loop,) = [lp for lp in flops["loops"] if lp["dot_flops_per_iteration"]]
+  assert loop["iterations"] == n
+  assert flops["dot_executed"] == n * 2 * M * K * K
+  # XLA's count has the body once; the executed count adds the other n - 1 dots.
+  assert flops["executed"] == pytest.approx(flops["xla"] + (n - 1) * 2 * M * K * K)
+
+
+def _dynamic_loops(a, b, count):
+  """An outer loop of 3 (static) around a named inner loop of `count` steps per entry."""
+  def inner(c):
+    with jax.named_scope("inner_steps"):
+      return jax.lax.while_loop(lambda s: s[0] < count,
+                                lambda s: (s[0] + 1, jnp.tanh(s[1] @ b)), (0, c))[1]
+  return jax.lax.fori_loop(0, 3, lambda i, c: inner(c), a)
+
+
+def test_dynamic_loop_needs_and_uses_trip_counts():
+  M, K = 16, 8
+  compiled = measure.compile_fn(_dynamic_loops, _spec((M, K)), _spec((K, K)),
+                                _spec((), jnp.int32))
+  with pytest.raises(ValueError, match=r"scope 'inner_steps'.*no known trip count"):
+    measure.executed_flops(compiled)
+  # 3 entries x 4 steps: the count given is the total over the run.
+  flops = measure.executed_flops(compiled, {"inner_steps": 12})
+  assert flops["dot_executed"] == 12 * 2 * M * K * K
+  # default_trip_count is per entry of the enclosing loop: 3 x 4 again.
+  assert measure.executed_flops(compiled, default_trip_count=4)["dot_executed"] == (
+      12 * 2 * M * K * K)
+  assert {lp.scope() for lp in measure.parse_hlo(compiled.as_text()).loops} >= {"inner_steps"}
+
+
+@pytest.fixture(scope="module")
+def mesh8(devices):
+  return jax.make_mesh((N,), ("x",), devices=devices)
+
+
+def _compile_shard_map(body, mesh, shape, out_specs=P("x")):
+  f = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_specs)
+  return measure.compile_fn(f, _spec(shape, sharding=NamedSharding(mesh, P("x"))))
+
+
+ROWS, COLS = 16, 4  # per device f32[16, 4] = 256 bytes
+LOCAL = ROWS * COLS * 4
+
+
+def test_all_to_all_bytes(mesh8):
+  c = _compile_shard_map(lambda a: jax.lax.all_to_all(a, "x", 0, 0, tiled=True), mesh8,
+                         (N * ROWS, COLS))
+  got = measure.collective_bytes(c)
+  assert got == {"all-to-all": {"count": 1, "operand_bytes": LOCAL, "result_bytes": LOCAL}}
+
+
+def test_all_gather_bytes(mesh8):
+  c = _compile_shard_map(lambda a: jax.lax.all_gather(a, "x", tiled=True), mesh8,
+                         (N * ROWS, COLS))
+  got = measure.collective_bytes(c)
+  assert got == {"all-gather": {"count": 1, "operand_bytes": LOCAL,
+                                "result_bytes": N * LOCAL}}
+
+
+def test_psum_bytes(mesh8):
+  c = _compile_shard_map(lambda a: jax.lax.psum(a, "x"), mesh8, (N * ROWS, COLS),
+                         out_specs=P())
+  got = measure.collective_bytes(c)
+  assert got == {"all-reduce": {"count": 1, "operand_bytes": LOCAL, "result_bytes": LOCAL}}
+
+
+def test_reduce_scatter_bytes(mesh8):
+  c = _compile_shard_map(lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh8,
+                         (N * ROWS, COLS))
+  got = measure.collective_bytes(c)
+  assert got == {"reduce-scatter": {"count": 1, "operand_bytes": LOCAL,
+                                    "result_bytes": LOCAL // N}}
+
+
+def test_collective_permute_bytes(mesh8):
+  perm = [(i, (i + 1) % N) for i in range(N)]
+  c = _compile_shard_map(lambda a: jax.lax.ppermute(a, "x", perm), mesh8, (N * ROWS, COLS))
+  got = measure.collective_bytes(c)
+  assert got == {"collective-permute": {"count": 1, "operand_bytes": LOCAL,
+                                        "result_bytes": LOCAL}}
+
+
+def test_collective_in_loop_is_attributed_and_scaled(mesh8):
+  def body(a):
+    with jax.named_scope("rounds"):
+      return jax.lax.fori_loop(
+          0, 3, lambda i, c: jnp.sin(jax.lax.all_to_all(c, "x", 0, 0, tiled=True)), a)
+  c = _compile_shard_map(body, mesh8, (N * ROWS, COLS))
+  mod = measure.parse_hlo(c.as_text())
+  (home,) = mod.collectives  # one computation holds the all-to-all: the loop body
+  assert home in {lp.body for lp in mod.loops}
+  assert mod.collectives[home]["all-to-all"]["operand_bytes"] == LOCAL
+  got = measure.collective_bytes(c)
+  assert got["all-to-all"] == {"count": 3, "operand_bytes": 3 * LOCAL,
+                               "result_bytes": 3 * LOCAL}
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_tiled_grouped_matmul_executed_flops(mode):
+  """Executed dot FLOPs = 2 * D * F * (rows the schedule computes), x3 with the backward."""
+  M, D, F = 100, 8, 16
+  sizes = np.array([40, 0, 37, 3, 11], np.int32)
+  tiles = gmm.tile_sizes(M, 32, 4)
+  args = [_spec((M, D)), _spec((len(sizes), D, F)), _spec(sizes.shape, jnp.int32)]
+
+  def fwd(x, w, gs):
+    return gmm.grouped_matmul(x, w, gs, impl="tiled", max_tile=32, min_tile=4)
+
+  def fwd_bwd(x, w, gs, dy):
+    y, vjp = jax.vjp(lambda x, w: fwd(x, w, gs), x, w)
+    return (y, *vjp(dy))
+
+  fn, passes = (fwd, 1) if mode == "fwd" else (fwd_bwd, 3)
+  if mode != "fwd":
+    args.append(_spec((M, F)))
+  compiled = measure.compile_fn(fn, *args)
+  rows = sum(t * n for t, n in gmm.schedule_rows(sizes, M, tiles).items())
+  flops = measure.executed_flops(compiled, gmm.loop_trip_counts(sizes, M, tiles))
+  assert flops["dot_executed"] == passes * 2 * D * F * rows
+  # XLA's count adds elementwise work outside the dots (masks, the dw additions).
+  assert flops["dot_executed"] <= flops["executed"] <= 1.2 * flops["dot_executed"]
+  scopes = {lp["scope"] for lp in flops["loops"]}
+  assert scopes == {gmm.GROUP_SCOPE} | {f"{gmm.TILE_SCOPE}{t}" for t in tiles}
