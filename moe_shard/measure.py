@@ -148,8 +148,8 @@ class HloModule:
     calls: computation -> list of (callee, kind): kind is "while" for a while body, "cond"
       for a while condition, "call" for anything else (fusion, call, conditional, reducer).
     dot_flops: computation -> FLOPs of its own dot instructions.
-    collectives: computation -> {kind: {"count", "operand_bytes", "result_bytes"}} for its
-      own collective instructions.
+    collectives: computation -> {kind: {"count", "operand_bytes", "result_bytes",
+      "wire_bytes"}} for its own collective instructions.
     loops: the while instructions, in text order.
   """
 
@@ -239,10 +239,14 @@ def parse_hlo(text):
         flops += _dot_flops(ins, types)
       kind = _collective_kind(ins.opcode)
       if kind:
-        c = coll.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0})
+        c = coll.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0,
+                                   "wire_bytes": 0})
+        operand = sum(shape_bytes(types.get(o, "")) for o in ins.operands)
+        result = _result_bytes(ins)
         c["count"] += 1
-        c["operand_bytes"] += sum(shape_bytes(types.get(o, "")) for o in ins.operands)
-        c["result_bytes"] += _result_bytes(ins)
+        c["operand_bytes"] += operand
+        c["result_bytes"] += result
+        c["wire_bytes"] += _wire_bytes(kind, operand, result, _group_size(ins.attrs))
       for key, callee in _CALLED_RE.findall(ins.attrs):
         kind_call = {"body": "while", "condition": "cond"}.get(key, "call")
         callees.append((callee, kind_call))
@@ -299,6 +303,38 @@ def _dot_flops(ins, types):
   contract = [int(d) for d in m.group(1).split(",") if d] if m else []
   k = int(np.prod([lhs[d] for d in contract])) if lhs and contract else 1
   return 2.0 * float(np.prod(out)) * k
+
+
+def _group_size(attrs):
+  """Devices in one replica group: `replica_groups={{0,1},{2,3}}` or the iota form
+  `replica_groups=[4,2]<=[8]` (4 groups of 2); 1 when absent (a collective-permute)."""
+  m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
+  if m:
+    return len([d for d in m.group(1).split(",") if d])
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
+  if m:
+    return int(m.group(2))
+  return 1
+
+
+def _wire_bytes(kind, operand, result, n):
+  """Bytes one device sends over links with the usual (ring / pairwise) algorithms.
+
+  all-to-all: the (n-1)/n of its operand bound for other devices; all-gather: its shard to
+  n-1 devices, (n-1)/n of the result; reduce-scatter: (n-1)/n of the operand; all-reduce
+  (reduce-scatter then all-gather): 2(n-1)/n of the operand; collective-permute: the
+  operand.
+  """
+  if kind == "collective-permute":
+    return operand
+  if n <= 1:
+    return 0
+  frac = (n - 1) / n
+  if kind == "all-gather":
+    return int(result * frac)
+  if kind == "all-reduce":
+    return int(2 * operand * frac)
+  return int(operand * frac)
 
 
 def _collective_kind(opcode):
@@ -390,7 +426,8 @@ def collective_bytes(compiled, trip_counts=None, *, default_trip_count=None):
     trip_counts, default_trip_count: as in `executed_flops`, for collectives in loops.
 
   Returns:
-    {kind: {"count", "operand_bytes", "result_bytes"}}, each multiplied by how often its
+    {kind: {"count", "operand_bytes", "result_bytes", "wire_bytes"}} (wire bytes: what
+    the device sends on links, see `_wire_bytes`), each multiplied by how often its
     computation runs (fractional counts never occur for integer trip counts).
   """
   mod = _module(compiled)
@@ -401,7 +438,8 @@ def collective_bytes(compiled, trip_counts=None, *, default_trip_count=None):
   for comp, kinds in mod.collectives.items():
     n = runs.get(comp, runs.get(home.get(comp, mod.entry), 1.0))
     for kind, c in kinds.items():
-      t = total.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0})
+      t = total.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0,
+                                  "wire_bytes": 0})
       for key in t:
         t[key] += c[key] * n
   return {k: {key: int(v) for key, v in t.items()} for k, t in total.items()}

@@ -94,7 +94,8 @@ def test_all_to_all_bytes(mesh8):
   c = _compile_shard_map(lambda a: jax.lax.all_to_all(a, "x", 0, 0, tiled=True), mesh8,
                          (N * ROWS, COLS))
   got = measure.collective_bytes(c)
-  assert got == {"all-to-all": {"count": 1, "operand_bytes": LOCAL, "result_bytes": LOCAL}}
+  assert got == {"all-to-all": {"count": 1, "operand_bytes": LOCAL, "result_bytes": LOCAL,
+                                "wire_bytes": LOCAL * (N - 1) // N}}
 
 
 def test_all_gather_bytes(mesh8):
@@ -102,14 +103,15 @@ def test_all_gather_bytes(mesh8):
                          (N * ROWS, COLS))
   got = measure.collective_bytes(c)
   assert got == {"all-gather": {"count": 1, "operand_bytes": LOCAL,
-                                "result_bytes": N * LOCAL}}
+                                "result_bytes": N * LOCAL, "wire_bytes": (N - 1) * LOCAL}}
 
 
 def test_psum_bytes(mesh8):
   c = _compile_shard_map(lambda a: jax.lax.psum(a, "x"), mesh8, (N * ROWS, COLS),
                          out_specs=P())
   got = measure.collective_bytes(c)
-  assert got == {"all-reduce": {"count": 1, "operand_bytes": LOCAL, "result_bytes": LOCAL}}
+  assert got == {"all-reduce": {"count": 1, "operand_bytes": LOCAL, "result_bytes": LOCAL,
+                                "wire_bytes": 2 * LOCAL * (N - 1) // N}}
 
 
 def test_reduce_scatter_bytes(mesh8):
@@ -117,7 +119,8 @@ def test_reduce_scatter_bytes(mesh8):
                          (N * ROWS, COLS))
   got = measure.collective_bytes(c)
   assert got == {"reduce-scatter": {"count": 1, "operand_bytes": LOCAL,
-                                    "result_bytes": LOCAL // N}}
+                                    "result_bytes": LOCAL // N,
+                                    "wire_bytes": LOCAL * (N - 1) // N}}
 
 
 def test_collective_permute_bytes(mesh8):
@@ -125,7 +128,7 @@ def test_collective_permute_bytes(mesh8):
   c = _compile_shard_map(lambda a: jax.lax.ppermute(a, "x", perm), mesh8, (N * ROWS, COLS))
   got = measure.collective_bytes(c)
   assert got == {"collective-permute": {"count": 1, "operand_bytes": LOCAL,
-                                        "result_bytes": LOCAL}}
+                                        "result_bytes": LOCAL, "wire_bytes": LOCAL}}
 
 
 def test_collective_in_loop_is_attributed_and_scaled(mesh8):
@@ -140,7 +143,8 @@ def test_collective_in_loop_is_attributed_and_scaled(mesh8):
   assert mod.collectives[home]["all-to-all"]["operand_bytes"] == LOCAL
   got = measure.collective_bytes(c)
   assert got["all-to-all"] == {"count": 3, "operand_bytes": 3 * LOCAL,
-                               "result_bytes": 3 * LOCAL}
+                               "result_bytes": 3 * LOCAL,
+                               "wire_bytes": 3 * (LOCAL * (N - 1) // N)}
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
@@ -169,3 +173,18 @@ def test_tiled_grouped_matmul_executed_flops(mode):
   assert flops["dot_executed"] <= flops["executed"] <= 1.2 * flops["dot_executed"]
   scopes = {lp["scope"] for lp in flops["loops"]}
   assert scopes == {gmm.GROUP_SCOPE} | {f"{gmm.TILE_SCOPE}{t}" for t in tiles}
+
+
+def test_wire_bytes_use_the_replica_group_size():
+  # On a 4 x 2 mesh an all_to_all over "a" runs in groups of 4, one over "b" in groups of 2.
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  spec = P(("a", "b"))
+
+  def body(x):
+    return (jax.lax.all_to_all(x, "a", 0, 0, tiled=True),
+            jax.lax.all_to_all(x, "b", 0, 0, tiled=True))
+  f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+  c = measure.compile_fn(f, _spec((N * ROWS, COLS), sharding=NamedSharding(mesh, spec)))
+  got = measure.collective_bytes(c)["all-to-all"]
+  assert got["operand_bytes"] == 2 * LOCAL
+  assert got["wire_bytes"] == LOCAL * 3 // 4 + LOCAL * 1 // 2
