@@ -306,14 +306,20 @@ def _dot_flops(ins, types):
 
 
 def _group_size(attrs):
-  """Devices in one replica group: `replica_groups={{0,1},{2,3}}` or the iota form
-  `replica_groups=[4,2]<=[8]` (4 groups of 2); 1 when absent (a collective-permute)."""
+  """Devices in one replica group: `replica_groups={{0,1},{2,3}}`, the iota form
+  `replica_groups=[4,2]<=[8]` (4 groups of 2), or the mesh form
+  `replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}` (groups of 4); 1 when absent."""
   m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
   if m:
     return len([d for d in m.group(1).split(",") if d])
   m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
   if m:
     return int(m.group(2))
+  # Mesh form: replica_groups=mesh['axis_0'=8,'axis_1'=2] {'axis_0'}: the braced axes.
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    return int(np.prod([int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2))]))
   return 1
 
 

@@ -188,3 +188,15 @@ def test_wire_bytes_use_the_replica_group_size():
   got = measure.collective_bytes(c)["all-to-all"]
   assert got["operand_bytes"] == 2 * LOCAL
   assert got["wire_bytes"] == LOCAL * 3 // 4 + LOCAL * 1 // 2
+
+
+@pytest.mark.parametrize("attrs, size", [
+    ("replica_groups={{0,1,2}}, dimensions={0}", 3),
+    ("replica_groups=[4,2]<=[8], dimensions={0}", 2),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, use_global_device_ids=true", 4),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}, x=1", 8),
+    ("source_target_pairs={{0,1}}", 1),
+])
+def test_group_size_forms(attrs, size):
+  # The three ways XLA prints replica groups (explicit, iota, mesh axes).
+  assert measure._group_size(attrs) == size
