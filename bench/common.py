@@ -30,7 +30,9 @@ def machine_info():
   return {"cpu": model, "cores": os.cpu_count(), "jax": jax.__version__,
           "jaxlib": jaxlib.__version__, "python": platform.python_version(),
           "backend": jax.default_backend(), "devices": len(jax.devices()),
-          "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+          "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+          "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+          "load_average_1min": os.getloadavg()[0]}
 
 
 def time_in_turns(fns_args, repeats):

@@ -31,8 +31,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 
@@ -41,6 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_shard import measure
+
+from bench import common
+
+def _medians(fns_args, repeats):
+  return [t["median"] for t in common.time_in_turns(fns_args, repeats)]
+
 
 # The module, not the function `moe_shard.grouped_matmul` that the package re-exports.
 gmm_lib = importlib.import_module("moe_shard.grouped_matmul")
@@ -71,26 +75,6 @@ def group_sizes(num_groups, skew, num_rows=M, seed=0):
   return np.concatenate([[big], sizes]).astype(np.int32)
 
 
-def machine_info():
-  """CPU model, core count, JAX/jaxlib versions and the environment knobs that matter."""
-  model = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          model = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  import jaxlib
-  return {"cpu": model, "cores": os.cpu_count(), "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "python": platform.python_version(),
-          "backend": jax.default_backend(), "devices": len(jax.devices()),
-          "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-          "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
-          "loadavg_1min_start": os.getloadavg()[0]}
-
-
 def _fwd(impl):
   def f(x_MD, w_GDF, gs_G):
     return gmm_lib.grouped_matmul(x_MD, w_GDF, gs_G, impl=impl)
@@ -114,19 +98,6 @@ def _dense_fwd_bwd(x_MD, w_DF, dy_MF):
   return (y_MF, *vjp(dy_MF))
 
 
-def time_in_turns(fns_args, repeats):
-  """Median seconds of each (fn, args), calling them in turn `repeats` times after a warmup."""
-  for fn, args in fns_args:
-    jax.block_until_ready(fn(*args))
-  times = [[] for _ in fns_args]
-  for _ in range(repeats):
-    for i, (fn, args) in enumerate(fns_args):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times[i].append(time.perf_counter() - t0)
-  return [statistics.median(t) for t in times]
-
-
 def run(repeats, groups):
   key = jax.random.PRNGKey(0)
   kx, kw, kdy = jax.random.split(key, 3)
@@ -138,7 +109,7 @@ def run(repeats, groups):
   for G in groups:
     w_GDF = jax.random.normal(kw, (G, D, F), jnp.float32) / np.sqrt(D)
     touch = jax.jit(lambda s, G=G: jnp.zeros((G, D, F), jnp.float32) + s)
-    (touch_s,) = time_in_turns([(touch, (jnp.float32(1),))], repeats)
+    (touch_s,) = _medians([(touch, (jnp.float32(1),))], repeats)
     for skew in SKEWS:
       gs_np = group_sizes(G, skew)
       gs_G = jnp.asarray(gs_np)
@@ -158,7 +129,7 @@ def run(repeats, groups):
           compile_s = time.perf_counter() - t0
           flops = measure.executed_flops(compiled, trips if impl == "tiled" else None)
           mem = measure.memory_bytes(compiled)
-          t_dense, t_impl = time_in_turns([(dense[mode], dargs), (compiled, args)],
+          t_dense, t_impl = _medians([(dense[mode], dargs), (compiled, args)],
                                           repeats if impl == "tiled" else max(2, repeats // 2))
           row = {"G": G, "skew": skew, "impl": impl, "mode": mode,
                  "flops_ratio": flops["executed"] / routed,
@@ -223,7 +194,7 @@ def main(argv=None):
                  help="directory for gmm_cpu.md and gmm_cpu.json (default bench/results)")
   args = p.parse_args(argv)
   repeats = 3 if args.quick and "--repeats" not in " ".join(argv) else args.repeats
-  info = machine_info()
+  info = common.machine_info()
   print(f"# {info['cpu']}, {info['cores']} cores, JAX {info['jax']}", flush=True)
   print(HEADER, flush=True)
   t0 = time.perf_counter()
