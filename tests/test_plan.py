@@ -1,0 +1,232 @@
+"""The pure offset and size helpers of the all_to_all dispatch (`moe_shard.plan`).
+
+Expected values are worked out by hand in the comments; a property test then checks that
+the rounds of `round_slots` send every valid item exactly once, to its own destination.
+"""
+
+import re
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_shard.plan import Chunks, default_chunks, round_slots, send_plan
+
+# --------------------------------------------------------------------------- default_chunks
+
+
+@pytest.mark.parametrize("tokens, k, n, want", [
+    # mean = ceil(5 * 2 / 4) = 3 -> round up to a multiple of 8, at least 8: 8.
+    # overflow = 8 / 4 = 2 -> up to a multiple of 8, at least 8: 8.
+    (5, 2, 4, Chunks(8, 8)),
+    # mean = 64 (already a multiple of 8); overflow = 64 / 4 = 16.
+    (64, 2, 2, Chunks(64, 16)),
+    # mean = ceil(100 / 3) = 34 -> 40; overflow = 40 / 4 = 10 -> 16.
+    (100, 1, 3, Chunks(40, 16)),
+    # One device on the expert axis: mean = 40 * 2 = 80; overflow = 80 / 4 = 20 -> 24.
+    (40, 2, 1, Chunks(80, 24)),
+    # mean = 20 -> 24; overflow = 24 / 4 = 6 -> at least 8: 8.
+    (10, 2, 1, Chunks(24, 8)),
+    # Tiny or empty: the floor of 8 slots.
+    (1, 1, 8, Chunks(8, 8)),
+    (0, 2, 4, Chunks(8, 8)),
+])
+def test_default_chunks(tokens, k, n, want):
+  got = default_chunks(tokens, k, n)
+  assert got == want
+  assert got.first % 8 == 0 and got.overflow % 8 == 0
+
+
+@pytest.mark.parametrize("chunk_size, want", [
+    (1, Chunks(1, 1)),
+    (5, Chunks(5, 5)),
+    ((3, 1), Chunks(3, 1)),
+    ([3, 1], Chunks(3, 1)),
+    ((1, 7), Chunks(1, 7)),
+])
+def test_default_chunks_explicit_size(chunk_size, want):
+  # An explicit size ignores tokens, k and devices.
+  assert default_chunks(40, 2, 4, chunk_size) == want
+
+
+BAD_CHUNKS = [0, -1, (1, 2, 3), (2,), (0, 1), (2, 0), (1, -1), True, (True, 1), (1.5, 1), "ab",
+              pytest.param(1.5, marks=pytest.mark.xfail(strict=True, reason=(
+                  "bug: plan.py:68 calls tuple(chunk_size) on a non-int scalar, so 1.5 "
+                  "raises a bare TypeError \"'float' object is not iterable\" that names "
+                  "neither moe_all_to_all nor chunk_size")))]
+
+
+@pytest.mark.parametrize("chunk_size", BAD_CHUNKS)
+def test_default_chunks_rejects(chunk_size):
+  with pytest.raises((TypeError, ValueError), match=re.escape(
+      f"moe_all_to_all: chunk_size must be None, an int >= 1 or a pair of ints >= 1 "
+      f"(got {chunk_size!r})")):
+    default_chunks(40, 2, 4, chunk_size)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: plan.py:68 accepts only a Python int; np.int64(4) goes to tuple(4) and raises a "
+    "bare TypeError (the rest of the package, e.g. _checks.int_in_range, accepts np.integer)"))
+def test_default_chunks_accepts_numpy_int():
+  assert default_chunks(40, 2, 4, np.int64(4)) == Chunks(4, 4)
+
+
+# --------------------------------------------------------------------------- Chunks
+
+
+@pytest.mark.parametrize("chunks, max_count, want", [
+    (Chunks(3, 1), 0, 1),  # an empty queue still runs round 0
+    (Chunks(3, 1), 3, 1),  # exactly fills round 0
+    (Chunks(3, 1), 4, 2),  # one item over: one overflow round
+    (Chunks(3, 1), 6, 4),  # 3 over, 1 per overflow round
+    (Chunks(8, 8), 9, 2),
+    (Chunks(8, 8), 16, 2),
+    (Chunks(8, 8), 17, 3),
+    (Chunks(8, 2), 13, 4),  # 1 + ceil((13 - 8) / 2) = 1 + 3
+    (Chunks(1, 1), 40, 40),
+])
+def test_chunks_rounds(chunks, max_count, want):
+  assert int(chunks.rounds(max_count)) == want
+  assert int(chunks.rounds(np.int32(max_count))) == want
+
+
+@pytest.mark.parametrize("chunks, r, want", [
+    (Chunks(3, 1), 1, 3),
+    (Chunks(3, 1), 2, 4),
+    (Chunks(3, 1), 3, 5),
+    # Chunks(8, 2): round 0 is slots 0..7, round 1 8..9, round 2 10..11, round 3 12..13.
+    (Chunks(8, 2), 1, 8),
+    (Chunks(8, 2), 2, 10),
+    (Chunks(8, 2), 3, 12),
+])
+def test_chunks_start(chunks, r, want):
+  assert int(chunks.start(r)) == want
+
+
+def test_chunks_traced():
+  # Inside the dispatch both are called on traced values (the mesh-wide max, the loop index).
+  chunks = Chunks(8, 2)
+  rounds, start = jax.jit(lambda m, r: (chunks.rounds(m), chunks.start(r)))(
+      jnp.int32(13), jnp.int32(3))
+  assert (int(rounds), int(start)) == (4, 12)
+
+
+def test_chunks_rounds_cover_the_queue():
+  # The slots of rounds 0 .. rounds-1 are contiguous and reach past the last item.
+  for chunks in (Chunks(3, 1), Chunks(8, 2), Chunks(2, 5)):
+    for count in range(0, 20):
+      rounds = int(chunks.rounds(count))
+      end = chunks.first + (rounds - 1) * chunks.overflow
+      assert end >= count
+      assert rounds == 1 or int(chunks.start(rounds - 1)) < count  # the last round is needed
+
+
+# --------------------------------------------------------------------------- send_plan
+
+# E = 4 experts on N = 2 devices (L = 2: experts 0, 1 on device 0; 2, 3 on device 1), K = 2.
+#   experts_TK = [[3, 0], [1, -1], [2, 3]]
+#   items i = t * K + j:   0:3  1:0  2:1  3:-1  4:2  5:3
+# Stable sort by expert, invalid last: expert 0: item 1; 1: item 2; 2: item 4; 3: items 0, 5;
+# invalid: item 3.
+#   order_I = [1, 2, 4, 0, 5, 3], load_E = [1, 1, 1, 2]
+#   count_N = [1 + 1, 1 + 2] = [2, 3], offset_N = [0, 2]
+EXAMPLE_TK = [[3, 0], [1, -1], [2, 3]]
+
+
+_round_slots_jit = jax.jit(round_slots, static_argnums=2)
+
+
+def test_send_plan_by_hand():
+  plan = send_plan(jnp.asarray(EXAMPLE_TK, jnp.int32), 4, 2)
+  np.testing.assert_array_equal(plan.order_I, [1, 2, 4, 0, 5, 3])
+  np.testing.assert_array_equal(plan.count_N, [2, 3])
+  np.testing.assert_array_equal(plan.offset_N, [0, 2])
+  np.testing.assert_array_equal(plan.valid_I, [True, True, True, False, True, True])
+  for a in (plan.order_I, plan.count_N, plan.offset_N):
+    assert a.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("start, size, want", [
+    # Round 0 with C = 2: device 0 gets its 2 items (sorted positions 0, 1: items 1, 2);
+    # device 1 the first 2 of its 3 (positions 2, 3: items 4, 0).
+    (0, 2, [[1, 2], [4, 0]]),
+    # Next round, slots 2..3: device 0 is done; device 1 gets position 4 (item 5).
+    (2, 2, [[-1, -1], [5, -1]]),
+    # One round of C = 4 holds everything, padded.
+    (0, 4, [[1, 2, -1, -1], [4, 0, 5, -1]]),
+    # C = 1, slot 1: device 0 position 1 (item 2), device 1 position 3 (item 0).
+    (1, 1, [[2], [0]]),
+    # Past the end of every queue (never reads out of bounds): all padding.
+    (5, 3, [[-1, -1, -1], [-1, -1, -1]]),
+])
+def test_round_slots_by_hand(start, size, want):
+  plan = send_plan(jnp.asarray(EXAMPLE_TK, jnp.int32), 4, 2)
+  # `start` is traced in the overflow rounds: jit with a traced start, size static.
+  got = _round_slots_jit(plan, jnp.int32(start), size)
+  assert got.shape == (2, size) and got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, want)
+
+
+def test_round_slots_skips_empty_destinations_and_invalid_ids():
+  # E = 4 on N = 4 devices (L = 1), K = 1: experts_TK = [[2], [4], [2], [0]].
+  # Items 0:2  1:4 (invalid)  2:2  3:0 -> order_I = [3, 0, 2, 1], count_N = [1, 0, 2, 0],
+  # offset_N = [0, 1, 1, 3]. Device 3's offset points at the invalid item 1, but its count is 0.
+  plan = send_plan(jnp.asarray([[2], [4], [2], [0]], jnp.int32), 4, 4)
+  np.testing.assert_array_equal(plan.order_I, [3, 0, 2, 1])
+  np.testing.assert_array_equal(plan.count_N, [1, 0, 2, 0])
+  np.testing.assert_array_equal(plan.offset_N, [0, 1, 1, 3])
+  np.testing.assert_array_equal(round_slots(plan, 0, 1), [[3], [-1], [0], [-1]])
+  np.testing.assert_array_equal(round_slots(plan, 1, 1), [[-1], [-1], [2], [-1]])
+  np.testing.assert_array_equal(round_slots(plan, 2, 1), [[-1], [-1], [-1], [-1]])
+
+
+def test_send_plan_int32_extremes_are_invalid():
+  # The int32 extremes and E itself are never sent (no overflow of offset arithmetic).
+  ids = jnp.asarray([[-2**31, 1], [2**31 - 1, 4], [-1, 0]], jnp.int32)
+  plan = send_plan(ids, 4, 2)
+  np.testing.assert_array_equal(plan.valid_I, [False, True, False, False, False, True])
+  np.testing.assert_array_equal(plan.count_N, [2, 0])
+  np.testing.assert_array_equal(round_slots(plan, 0, 3), [[5, 1, -1], [-1, -1, -1]])
+
+
+@st.composite
+def plans(draw):
+  """(experts_TK: [6, 2] with some invalid ids, E = 4, N, Chunks).
+
+  One shape and few chunk sizes, so the eager ops compile once and the examples reuse them.
+  """
+  E, T, K = 4, 6, 2
+  N = draw(st.sampled_from([2, 4, 1]))
+  ids = draw(st.lists(st.sampled_from(list(range(E)) + [-1, E, -2**31]), min_size=T * K,
+                      max_size=T * K))
+  chunks = Chunks(draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 2])))
+  return np.asarray(ids, np.int32).reshape(T, K), E, N, chunks
+
+
+@hypothesis.settings(max_examples=12)
+@hypothesis.given(plans())
+def test_rounds_send_every_valid_item_once(problem):
+  experts_TK, E, N, chunks = problem
+  L = E // N
+  ids_I = experts_TK.reshape(-1).astype(np.int64)
+  valid_I = (ids_I >= 0) & (ids_I < E)
+  want_count_N = np.bincount(ids_I[valid_I] // L, minlength=N)
+  plan = send_plan(jnp.asarray(experts_TK), E, N)
+  np.testing.assert_array_equal(plan.count_N, want_count_N)
+  rounds = int(chunks.rounds(plan.count_N.max()))
+  assert rounds == 1 + -(-max(0, want_count_N.max() - chunks.first) // chunks.overflow)
+  slots = [np.asarray(round_slots(plan, 0, chunks.first))]
+  slots += [np.asarray(round_slots(plan, chunks.start(r), chunks.overflow))
+            for r in range(1, rounds)]
+  sent = {n: [i for s in slots for i in s[n] if i >= 0] for n in range(N)}
+  # Every valid item exactly once, in the row of its destination device, in expert order.
+  assert sorted(i for n in sent for i in sent[n]) == list(np.flatnonzero(valid_I))
+  for n, items in sent.items():
+    assert all(ids_I[i] // L == n for i in items), (n, items)
+    assert list(ids_I[items]) == sorted(ids_I[items])
+  # No round after the last is needed: one more would be all padding.
+  extra = round_slots(plan, chunks.start(rounds), chunks.overflow)
+  np.testing.assert_array_equal(extra, -1)
