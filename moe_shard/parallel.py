@@ -60,11 +60,6 @@ class _Layout:
 def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
   """Checks, pads T to a multiple of the device count and places the inputs on the mesh."""
   x_TD, ffn, E, experts_TK, weights_TK = local.check_moe_inputs(fn, x_TD, w, experts, weights)
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh (got {type(mesh).__name__})")
-  if expert_axis not in mesh.axis_names:
-    raise ValueError(f"{fn}: expert_axis {expert_axis!r} must be an axis of the mesh "
-                     f"(got axes {tuple(mesh.axis_names)})")
   _checks.divisible(fn, "num_experts", E, f"the '{expert_axis}' axis size",
                     mesh.shape[expert_axis])
   T = x_TD.shape[0]
@@ -81,6 +76,14 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
                                   for a in (x_TD, experts_TK, weights_TK))
   ffn = jax.tree.map(lambda leaf: _place(leaf, mesh, P(expert_axis)), ffn)
   return lay, x_TD, ffn, experts_TK, weights_TK
+
+
+def _check_mesh(fn, mesh, expert_axis):
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh (got {type(mesh).__name__})")
+  if expert_axis not in mesh.axis_names:
+    raise ValueError(f"{fn}: expert_axis {expert_axis!r} must be an axis of the mesh "
+                     f"(got axes {tuple(mesh.axis_names)})")
 
 
 def _place(a, mesh, spec):
@@ -140,6 +143,14 @@ def moe_all_gather(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
   Raises:
     TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
   """
+  _check_mesh("moe_all_gather", mesh, expert_axis)
+  return _all_gather_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
+                         gmm_impl=gmm_impl)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "gmm_impl"))
+def _all_gather_jit(x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl):
+  # Jitted so that a call outside jit does not run the shard_map body op by op.
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
       "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis)
   body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
@@ -196,9 +207,9 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
     mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types.
     expert_axis: name of the mesh axis experts are split over (default "expert").
     chunk_size: None (default): C_first = the expected (source, destination) load
-      T_dev*K/N rounded up to a multiple of 8 and C_overflow = C_first/4 (>= 8), so padding
-      stays near 25% under uniform routing and skew costs small extra rounds. An int C uses
-      C for every round; a pair (C_first, C_overflow) sets both.
+      T_dev*K/N rounded up to a multiple of 8 and C_overflow = C_first/4 rounded up to a
+      multiple of 8, so padding stays near 25% under uniform routing and skew costs small
+      extra rounds. An int C uses C for every round; a pair (C_first, C_overflow) sets both.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
 
@@ -211,9 +222,26 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
   Raises:
     TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
   """
-  fn = "moe_all_to_all"
+  _check_mesh("moe_all_to_all", mesh, expert_axis)
+  chunk_size = plan_lib.check_chunk_size(chunk_size)
+  out = _all_to_all_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
+                        chunk_size=chunk_size, return_stats=bool(return_stats),
+                        gmm_impl=gmm_impl)
+  if not return_stats:
+    return out
+  y_TF, stats = out
+  T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
+  chunks = plan_lib.default_chunks(-(-T // mesh.size), K, mesh.shape[expert_axis], chunk_size)
+  return y_TF, dict(stats, chunk_first=chunks.first, chunk_overflow=chunks.overflow)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "chunk_size",
+                                             "return_stats", "gmm_impl"))
+def _all_to_all_jit(x_TD, w, experts, weights, *, mesh, expert_axis, chunk_size,
+                    return_stats, gmm_impl):
+  # Jitted so that a call outside jit does not run the shard_map body op by op.
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
-      fn, x_TD, w, experts, weights, mesh, expert_axis)
+      "moe_all_to_all", x_TD, w, experts, weights, mesh, expert_axis)
   chunks = plan_lib.default_chunks(lay.padded // mesh.size, experts_TK.shape[1], lay.n,
                                    chunk_size)
   body = functools.partial(_all_to_all_body, lay=lay, chunks=chunks, gmm_impl=gmm_impl)
@@ -229,7 +257,6 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
     return y_TF
   # Padding tokens carry id -1 on each of their K slots; they are not the caller's.
   stats["invalid_ids"] = stats["invalid_ids"] - (lay.padded - lay.tokens) * experts_TK.shape[1]
-  stats.update(chunk_first=chunks.first, chunk_overflow=chunks.overflow)
   return y_TF, stats
 
 

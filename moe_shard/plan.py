@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_shard import local
 
@@ -43,7 +44,7 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
 
   With `chunk_size=None`, round 0 carries the expected load of a (source, destination) pair
   under uniform routing, `T*K/N` rounded up to a multiple of 8, and overflow rounds a quarter
-  of that (at least 8). Under uniform routing the busiest pair exceeds the mean by a few
+  of that rounded up to a multiple of 8 (so at least 8). Under uniform routing the busiest pair exceeds the mean by a few
   standard deviations (sqrt(T*K/N)), which one or two overflow rounds absorb: padding stays
   near 25% while a skewed routing costs one extra small round per C_overflow items of
   excess on the busiest pair, not a doubling of every buffer.
@@ -59,17 +60,36 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
     `Chunks`.
 
   Raises:
-    ValueError: a chunk size below 1.
+    TypeError, ValueError: see `check_chunk_size`.
   """
+  chunk_size = check_chunk_size(chunk_size)
   if chunk_size is None:
     mean = math.ceil(tokens * k / num_devices)
     first = max(8, 8 * math.ceil(mean / 8))
     return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
-  pair = (chunk_size, chunk_size) if isinstance(chunk_size, int) else tuple(chunk_size)
-  if len(pair) != 2 or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in pair):
-    raise ValueError(f"moe_all_to_all: chunk_size must be None, an int >= 1 or a pair of "
-                     f"ints >= 1 (got {chunk_size!r})")
-  return Chunks(*pair)
+  return Chunks(*chunk_size)
+
+
+def _is_int(c):
+  return isinstance(c, (int, np.integer)) and not isinstance(c, (bool, np.bool_))
+
+
+def check_chunk_size(chunk_size):
+  """Validates `chunk_size` and returns None or a hashable pair (C_first, C_overflow).
+
+  Raises:
+    TypeError: not None, an int or a pair of ints.
+    ValueError: a chunk size below 1.
+  """
+  if chunk_size is None:
+    return None
+  pair = (chunk_size, chunk_size) if _is_int(chunk_size) else chunk_size
+  rule = "chunk_size must be None, an int >= 1 or a pair of ints >= 1"
+  if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(_is_int, pair)):
+    raise TypeError(f"moe_all_to_all: {rule} (got {chunk_size!r})")
+  if min(pair) < 1:
+    raise ValueError(f"moe_all_to_all: {rule} (got {chunk_size!r})")
+  return int(pair[0]), int(pair[1])
 
 
 @jax.tree_util.register_dataclass

@@ -53,10 +53,7 @@ def test_default_chunks_explicit_size(chunk_size, want):
 
 
 BAD_CHUNKS = [0, -1, (1, 2, 3), (2,), (0, 1), (2, 0), (1, -1), True, (True, 1), (1.5, 1), "ab",
-              pytest.param(1.5, marks=pytest.mark.xfail(strict=True, reason=(
-                  "bug: plan.py:68 calls tuple(chunk_size) on a non-int scalar, so 1.5 "
-                  "raises a bare TypeError \"'float' object is not iterable\" that names "
-                  "neither moe_all_to_all nor chunk_size")))]
+              1.5]
 
 
 @pytest.mark.parametrize("chunk_size", BAD_CHUNKS)
@@ -67,9 +64,6 @@ def test_default_chunks_rejects(chunk_size):
     default_chunks(40, 2, 4, chunk_size)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: plan.py:68 accepts only a Python int; np.int64(4) goes to tuple(4) and raises a "
-    "bare TypeError (the rest of the package, e.g. _checks.int_in_range, accepts np.integer)"))
 def test_default_chunks_accepts_numpy_int():
   assert default_chunks(40, 2, 4, np.int64(4)) == Chunks(4, 4)
 
