@@ -16,6 +16,8 @@ Inside a `shard_map` body the letters are per-device sizes.
 
 from moe_shard.experts import Linear, SwiGLU
 from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.layer import (MoEConfig, MoEParams, choose_impl, drop_over_capacity,
+                             init_moe_params, moe_layer, moe_param_shapes, moe_param_specs)
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.parallel import DATA, EXPERT, moe_all_gather, moe_all_to_all
 from moe_shard.routing import (Routing, expert_load, load_balancing_loss, router_z_loss,
@@ -25,14 +27,22 @@ __all__ = [
     "DATA",
     "EXPERT",
     "Linear",
+    "MoEConfig",
+    "MoEParams",
     "Routing",
     "SwiGLU",
+    "choose_impl",
+    "drop_over_capacity",
     "expert_load",
     "grouped_matmul",
+    "init_moe_params",
+    "load_balancing_loss",
     "moe_all_gather",
     "moe_all_to_all",
-    "load_balancing_loss",
+    "moe_layer",
     "moe_masked_scan",
+    "moe_param_shapes",
+    "moe_param_specs",
     "moe_ragged_dot",
     "router_z_loss",
     "top_k_routing",
