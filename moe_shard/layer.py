@@ -415,7 +415,7 @@ def route(logits_TE, cfg, mesh=None):
     return fn(logits_TE)
   tok = P(tuple(mesh.axis_names))
   return jax.shard_map(fn, mesh=mesh, in_specs=tok, out_specs=Routing(tok, tok, tok))(
-      _place(logits_TE, mesh, tok))
+      parallel.place(logits_TE, mesh, tok))
 
 
 def choose_impl(cfg, mesh=None):
@@ -464,16 +464,6 @@ def _auto(fn, ref, out_specs):
       return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out)(*args)
 
   return wrapped
-
-
-def _place(a, mesh, spec):
-  """Puts `a` on `mesh` with `spec`, inside or outside jit, for Auto or Explicit axes."""
-  sharding = NamedSharding(mesh, spec)
-  if not isinstance(a, jax.core.Tracer):
-    return jax.device_put(a, sharding)
-  if all(t == AxisType.Explicit for t in mesh.axis_types):
-    return jax.sharding.reshard(a, sharding)
-  return jax.lax.with_sharding_constraint(a, sharding)
 
 
 def _like(y, ref):
@@ -578,7 +568,8 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
   T = x_TD.shape[0]
   if mesh is not None and _explicit_mesh(x_TD)[0] is None and AxisType.Explicit in \
       mesh.axis_types:  # x is not on the mesh yet: split its tokens over it (if they divide)
-    x_TD = _place(x_TD, mesh, P(tuple(mesh.axis_names)) if T % mesh.size == 0 else P())
+    x_TD = parallel.place(x_TD, mesh,
+                          P(tuple(mesh.axis_names)) if T % mesh.size == 0 else P())
   with jax.named_scope("route"):
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
                            params.router_DE.astype(jnp.float32))

@@ -66,15 +66,15 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
   pad = -T % mesh.size
   if pad:  # padding tokens route nowhere (id -1) and are trimmed from the output
     # Pad replicated arrays: a T that does not divide cannot be split over the mesh.
-    x_TD, experts_TK, weights_TK = (_place(a, mesh, P())
+    x_TD, experts_TK, weights_TK = (place(a, mesh, P())
                                     for a in (x_TD, experts_TK, weights_TK))
     x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
     experts_TK = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1)
     weights_TK = jnp.pad(weights_TK, ((0, pad), (0, 0)))
   lay = _Layout(mesh, expert_axis, E, T, T + pad)
-  x_TD, experts_TK, weights_TK = (_place(a, mesh, lay.token_spec)
+  x_TD, experts_TK, weights_TK = (place(a, mesh, lay.token_spec)
                                   for a in (x_TD, experts_TK, weights_TK))
-  ffn = jax.tree.map(lambda leaf: _place(leaf, mesh, P(expert_axis)), ffn)
+  ffn = jax.tree.map(lambda leaf: place(leaf, mesh, P(expert_axis)), ffn)
   return lay, x_TD, ffn, experts_TK, weights_TK
 
 
@@ -86,7 +86,7 @@ def _check_mesh(fn, mesh, expert_axis):
                      f"(got axes {tuple(mesh.axis_names)})")
 
 
-def _place(a, mesh, spec):
+def place(a, mesh, spec):
   """Puts `a` on the mesh with `spec`, inside or outside jit, for Auto or Explicit axes."""
   sharding = NamedSharding(mesh, spec)
   if not isinstance(a, jax.core.Tracer):
@@ -101,7 +101,7 @@ def _trim(y_TF, lay):
   if lay.padded == lay.tokens:
     return y_TF
   if all(t == AxisType.Explicit for t in lay.mesh.axis_types):
-    y_TF = _place(y_TF, lay.mesh, P()) if isinstance(y_TF, jax.core.Tracer) else \
+    y_TF = place(y_TF, lay.mesh, P()) if isinstance(y_TF, jax.core.Tracer) else \
         jax.sharding.reshard(y_TF, NamedSharding(lay.mesh, P()))
   return y_TF[:lay.tokens]
 

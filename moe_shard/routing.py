@@ -67,9 +67,9 @@ def expert_load(experts_TK, num_experts):
     i32[E] items per expert.
   """
   ids = jnp.ravel(experts_TK)
-  valid = (ids >= 0) & (ids < num_experts)
-  return jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, ids, 0)].add(
-      valid.astype(jnp.int32))
+  # A one-hot sum, not a scatter: it partitions over sharded ids on any mesh. one_hot of an
+  # id outside [0, E) is all zeros.
+  return jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
 
 
 def load_balancing_loss(routing: Routing):
