@@ -101,8 +101,7 @@ def _trim(y_TF, lay):
   if lay.padded == lay.tokens:
     return y_TF
   if all(t == AxisType.Explicit for t in lay.mesh.axis_types):
-    y_TF = place(y_TF, lay.mesh, P()) if isinstance(y_TF, jax.core.Tracer) else \
-        jax.sharding.reshard(y_TF, NamedSharding(lay.mesh, P()))
+    y_TF = place(y_TF, lay.mesh, P())
   return y_TF[:lay.tokens]
 
 
