@@ -164,7 +164,7 @@ def test_nonfinite_token_leaves_others_unchanged(impl, bad):
     *IMPLS, "gmm=tiled",
     pytest.param("gmm=ragged_dot", marks=pytest.mark.xfail(
         strict=True, reason="lax.ragged_dot on CPU is a masked dense product over all groups: "
-        "0 * inf = nan reaches every token (reported)")),
+        "0 * inf = nan reaches every token (a known limitation, documented in the README)")),
 ])
 def test_nonfinite_expert_leaves_other_tokens_unchanged(impl):
   fn = IMPLS.get(impl) or GMM_IMPLS[impl.removeprefix("gmm=")]
