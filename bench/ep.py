@@ -165,11 +165,12 @@ def _summary(rows):
     best_t = min(jit, key=lambda r: r["fwd_s"]["median"])
     best_b = min(jit, key=lambda r: r["fwd_wire_bytes"])
     out += (f"- E={key[0]}, {key[1]}: all_to_all fwd {a2a['fwd_s']['median']*1e3:.0f} ms vs best "
-            f"jit-only ({best_t['impl']}) {best_t['fwd_s']['median']*1e3:.0f} ms: "
-            f"{best_t['fwd_s']['median']/a2a['fwd_s']['median']:.2f}x faster; wire bytes "
+            f"jit-only ({best_t['impl']}) {best_t['fwd_s']['median']*1e3:.0f} ms: speedup "
+            f"{best_t['fwd_s']['median']/a2a['fwd_s']['median']:.2f}x; wire bytes "
             f"{a2a['fwd_wire_bytes']/2**20:.2f} MiB vs fewest jit-only ({best_b['impl']}) "
             f"{best_b['fwd_wire_bytes']/2**20:.2f} MiB: "
-            f"{best_b['fwd_wire_bytes']/max(a2a['fwd_wire_bytes'], 1):.2f}x fewer.\n")
+            f"ratio {best_b['fwd_wire_bytes']/max(a2a['fwd_wire_bytes'], 1):.2f}x (> 1: "
+            f"all_to_all moves fewer).\n")
   return out
 
 
