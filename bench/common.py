@@ -99,5 +99,22 @@ def write_results(path_stem, rows, markdown, info, argv):
   return path_stem + ".json", path_stem + ".md"
 
 
+def make_mesh(spec):
+  """Builds an Auto ("expert", "data") mesh from "NxM" over the first N*M devices.
+
+  Raises:
+    ValueError: `spec` is not "NxM", or needs more devices than JAX found.
+  """
+  try:
+    n_e, n_d = (int(v) for v in spec.split("x"))
+  except ValueError:
+    raise ValueError(f"mesh must be EXPERTxDATA, e.g. 8x1 (got {spec!r})") from None
+  if n_e * n_d > len(jax.devices()):
+    raise ValueError(f"mesh {spec} needs {n_e * n_d} devices, found {len(jax.devices())}")
+  return jax.make_mesh((n_e, n_d), ("expert", "data"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:n_e * n_d])
+
+
 def dtype_bytes(dtype):
   return jnp.dtype(dtype).itemsize

@@ -37,7 +37,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_shard as ms  # noqa: E402
@@ -195,21 +195,18 @@ def main(argv=None):
   if a.quick:
     a.tokens, a.d_model, a.d_ff, a.repeats = 2048, 128, 256, 3
   try:
-    n_e, n_d = (int(v) for v in a.mesh.split("x"))
+    mesh = common.make_mesh(a.mesh)
+    n_e = mesh.shape[ms.EXPERT]
     impls = a.impls.split(",")
     for i in impls:
       if i not in IMPLS:
         raise ValueError(f"unknown impl {i!r}; choose from {IMPLS}")
-    if n_e * n_d > len(jax.devices()):
-      raise ValueError(f"mesh {a.mesh} needs {n_e * n_d} devices, found {len(jax.devices())}")
     for E in (int(v) for v in a.experts.split(",")):
       if E % n_e:
         raise ValueError(f"experts ({E}) must be divisible by the expert axis ({n_e})")
   except ValueError as err:
     print(f"bench.ep: error: {err}", file=sys.stderr)
     return 2
-  mesh = jax.make_mesh((n_e, n_d), (ms.EXPERT, ms.DATA), axis_types=(AxisType.Auto,) * 2,
-                       devices=jax.devices()[:n_e * n_d])
   info = common.machine_info()
   print(f"bench.ep on {info['devices']} {info['backend']} devices, mesh {a.mesh}", flush=True)
   rows = []

@@ -22,7 +22,7 @@ import argparse  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_shard as ms  # noqa: E402
@@ -87,13 +87,11 @@ def main(argv=None):
   B, S, D, F, K = 8, 1024, 512, 1024, 2
   if a.quick:
     B, S, D, F, a.repeats = 2, 1024, 128, 256, 3
-  n_e, n_d = (int(v) for v in a.mesh.split("x"))
-  if n_e * n_d > len(jax.devices()):
-    print(f"bench.layer: error: mesh {a.mesh} needs {n_e * n_d} devices, found "
-          f"{len(jax.devices())}", file=sys.stderr)
+  try:
+    mesh = common.make_mesh(a.mesh)
+  except ValueError as err:
+    print(f"bench.layer: error: {err}", file=sys.stderr)
     return 2
-  mesh = jax.make_mesh((n_e, n_d), (ms.EXPERT, ms.DATA), axis_types=(AxisType.Auto,) * 2,
-                       devices=jax.devices()[:n_e * n_d])
   info = common.machine_info()
   rows = []
   for E in (int(v) for v in a.experts.split(",")):
