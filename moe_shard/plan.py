@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_shard import local
+from moe_shard import _checks, local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,3 +145,32 @@ def round_slots(plan, start, size):
   live_NC = pos_NC < plan.count_N[:, None]
   sorted_NC = jnp.minimum(plan.offset_N[:, None] + pos_NC, plan.order_I.shape[0] - 1)
   return jnp.where(live_NC, plan.order_I[sorted_NC], -1)
+
+
+def round_counts(count_N, chunks, rounds):
+  """Returns the items each (source, destination) queue sends in each round, and C_r.
+
+  Round r sends slots [start_r, start_r + C_r) of every queue, so a queue of `count` items
+  fills `min(C_r, max(count - start_r, 0))` of them; the other slots of the round are
+  padding. This is the host-side picture of what the dispatch's `all_to_all`s carry.
+
+  Args:
+    count_N: int[..., N] queue lengths: `SendPlan.count_N` of one device, or int[S, N] for
+      S source devices.
+    chunks: `Chunks`.
+    rounds: R rounds to lay out, a Python int >= 1 (e.g. `int(chunks.rounds(count.max()))`).
+
+  Returns:
+    (sent_RN: i32[..., R, N] items sent in round r to destination n, slots_R: i32[R] the
+    slots C_r of each queue in round r: C_first, then C_overflow).
+
+  Raises:
+    TypeError: `count_N` is not an integer array or `rounds` not an int.
+    ValueError: `rounds` is below 1.
+  """
+  count_N = _checks.int_array("round_counts", "count_N", count_N)
+  rounds = _checks.int_in_range("round_counts", "rounds", rounds, 1, 2**31 - 1)
+  slots_R = jnp.asarray([chunks.first] + [chunks.overflow] * (rounds - 1), jnp.int32)
+  start_R = jnp.cumsum(slots_R) - slots_R
+  left_RN = count_N.astype(jnp.int32)[..., None, :] - start_R[:, None]
+  return jnp.clip(left_RN, 0, slots_R[:, None]), slots_R

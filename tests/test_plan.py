@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_shard.plan import Chunks, default_chunks, round_slots, send_plan
+from moe_shard.plan import Chunks, default_chunks, round_counts, round_slots, send_plan
 
 # --------------------------------------------------------------------------- default_chunks
 
@@ -224,3 +224,46 @@ def test_rounds_send_every_valid_item_once(problem):
   # No round after the last is needed: one more would be all padding.
   extra = round_slots(plan, chunks.start(rounds), chunks.overflow)
   np.testing.assert_array_equal(extra, -1)
+
+
+# --------------------------------------------------------------------------- round_counts
+
+
+def test_round_counts_by_hand():
+  # Chunks(8, 2), queues of 2, 3, 0 and 13 items; rounds start at slots 0, 8, 10, 12.
+  #   13 items: round 0 takes 8, rounds 1 and 2 take 2 each, round 3 the last 1.
+  #   2, 3 and 0 items: all in round 0 (or none), nothing after.
+  sent_RN, slots_R = round_counts(np.array([2, 3, 0, 13]), Chunks(8, 2), 4)
+  np.testing.assert_array_equal(slots_R, [8, 2, 2, 2])
+  np.testing.assert_array_equal(sent_RN, [[2, 3, 0, 8], [0, 0, 0, 2], [0, 0, 0, 2],
+                                          [0, 0, 0, 1]])
+  assert sent_RN.dtype == slots_R.dtype == jnp.int32
+
+
+def test_round_counts_per_source_matches_round_slots():
+  # S = 2 sources: each source's counts per round are the live slots of `round_slots`.
+  sources = [EXAMPLE_TK, [[0, 1], [1, 0], [3, 2]]]
+  plans = [send_plan(jnp.asarray(e, jnp.int32), 4, 2) for e in sources]
+  count_SN = jnp.stack([p.count_N for p in plans])  # [[2, 3], [4, 2]]
+  chunks = Chunks(2, 1)
+  rounds = int(chunks.rounds(count_SN.max()))  # 1 + (4 - 2) = 3
+  sent_SRN, slots_R = round_counts(count_SN, chunks, rounds)
+  assert sent_SRN.shape == (2, 3, 2)
+  np.testing.assert_array_equal(slots_R, [2, 1, 1])
+  for s, plan in enumerate(plans):
+    for r in range(rounds):
+      start = 0 if r == 0 else chunks.start(r)
+      live_N = (np.asarray(round_slots(plan, start, int(slots_R[r]))) >= 0).sum(axis=1)
+      np.testing.assert_array_equal(sent_SRN[s, r], live_N)
+  # Every item is sent in some round.
+  np.testing.assert_array_equal(sent_SRN.sum(axis=1), count_SN)
+
+
+@pytest.mark.parametrize("count, rounds, err, match", [
+    (np.array([1.0, 2.0]), 1, TypeError, "round_counts: count_N must have an integer dtype"),
+    (np.array([1, 2]), 0, ValueError, r"round_counts: rounds must be in \[1, "),
+    (np.array([1, 2]), 1.0, TypeError, "round_counts: rounds must be an int"),
+])
+def test_round_counts_rejects(count, rounds, err, match):
+  with pytest.raises(err, match=match):
+    round_counts(count, Chunks(8, 8), rounds)
