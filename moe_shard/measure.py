@@ -27,7 +27,9 @@ lax.while_loop(...)`: XLA keeps the scope in the while instruction's metadata
 (`op_name=".../gmm_tile_64/while"`), and `trip_counts={"gmm_tile_64": 37}` says that loop's
 body runs 37 times in total over the whole program run (not per entry of the enclosing
 loop). Every while instruction whose scope matches gets that count (e.g. the forward and
-the backward loops of a custom_vjp).
+the backward loops of a custom_vjp). A key may also be a path of scopes, outermost first:
+`{"gmm_tile_64": 10, "a2a_overflow_rounds/gmm_tile_64": 25}` gives the loops under
+`a2a_overflow_rounds` 25 and the others 10 (the most specific matching key wins).
 
 Collective bytes (`collective_bytes`). For each all-to-all, all-gather, reduce-scatter,
 all-reduce and collective-permute (also their async `-start` forms), the bytes of its
@@ -132,11 +134,38 @@ class WhileLoop:
     Transformation wrappers that JAX adds to scope names ("jvp(gmm_tile_64)",
     "transpose(jvp(gmm_tile_64))") are removed.
     """
+    path = self.scope_path()
+    return path[-1] if path else ""
+
+  def scope_path(self):
+    """The scopes around the loop, outermost first, wrappers removed; [] if unscoped.
+
+    E.g. ["jit(f)", "shard_map", "a2a_overflow_rounds", "while", "body", "gmm_tile_64"].
+    """
     parts = self.op_name.split("/")
-    scope = parts[-2] if len(parts) >= 2 and parts[-1] == "while" else ""
-    while (m := re.fullmatch(r"[\w]+\((.*)\)", scope)):
-      scope = m.group(1)
-    return scope
+    if len(parts) < 2 or parts[-1] != "while":
+      return []
+    return [_unwrap(p) for p in parts[:-1]]
+
+  def matches(self, key):
+    """Whether a `trip_counts` key names this loop: "scope" or "outer/.../scope".
+
+    A plain key matches the scope just around the loop; a path key also needs its outer
+    scopes, in order, among the loop's enclosing ones (not necessarily adjacent).
+    """
+    *outer, last = key.split("/")
+    path = self.scope_path()
+    if not path or path[-1] != last:
+      return False
+    rest = iter(path[:-1])
+    return all(any(p == o for p in rest) for o in outer)
+
+
+def _unwrap(scope):
+  # "transpose(jvp(gmm_tile_64))" -> "gmm_tile_64".
+  while (m := re.fullmatch(r"[\w]+\((.*)\)", scope)):
+    scope = m.group(1)
+  return scope
 
 
 @dataclasses.dataclass
@@ -187,8 +216,9 @@ class HloModule:
         n = runs.get(comp, 0.0)
         if kind == "while":
           lp = by_body[callee]
-          if lp.scope() in trip_counts:
-            n = float(trip_counts[lp.scope()])
+          key = _best_key(lp, trip_counts)
+          if key is not None:
+            n = float(trip_counts[key])
           elif lp.known_trip_count is not None:
             n = lp.known_trip_count * runs.get(comp, 0.0)
           elif default_trip_count is not None:
@@ -203,6 +233,12 @@ class HloModule:
         if indegree[callee] == 0:
           ready.append(callee)
     return runs
+
+
+def _best_key(loop, trip_counts):
+  """The most specific `trip_counts` key naming `loop` (most path parts), or None."""
+  keys = [k for k in trip_counts if loop.matches(k)]
+  return max(keys, key=lambda k: k.count("/")) if keys else None
 
 
 def parse_hlo(text):

@@ -200,3 +200,30 @@ def test_wire_bytes_use_the_replica_group_size():
 def test_group_size_forms(attrs, size):
   # The three ways XLA prints replica groups (explicit, iota, mesh axes).
   assert measure._group_size(attrs) == size
+
+
+def test_path_keys_tell_nested_loops_with_the_same_scope_apart():
+  """Two loops scoped "steps", one inside "outer": a path key counts the nested one only."""
+  D = 8
+
+  def steps(a, w, n):
+    with jax.named_scope("steps"):
+      return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ w),
+                                (0, a))[1]
+
+  def f(a, w, n, m):
+    a = steps(a, w, n)
+    with jax.named_scope("outer"):
+      return jax.lax.while_loop(lambda c: c[0] < m,
+                                lambda c: (c[0] + 1, steps(c[1], w, n)), (0, a))[1]
+
+  compiled = measure.compile_fn(f, _spec((D, D)), _spec((D, D)), _spec((), jnp.int32),
+                                _spec((), jnp.int32))
+  mod = measure.parse_hlo(compiled.as_text())
+  by_path = {lp.matches("outer/steps"): lp for lp in mod.loops if lp.scope() == "steps"}
+  assert set(by_path) == {True, False}  # one nested, one not
+  dot = 2 * D * D * D
+  flops = measure.executed_flops(compiled, {"steps": 3, "outer/steps": 10, "outer": 5})
+  assert flops["dot_executed"] == (3 + 10) * dot
+  flops = measure.executed_flops(compiled, {"steps": 3, "outer": 5})
+  assert flops["dot_executed"] == (3 + 3) * dot
