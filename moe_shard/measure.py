@@ -19,7 +19,10 @@ its caller; a while body `n` times per run of its caller, where n is XLA's
 that is, XLA's own count, plus each computation's dots once more for every extra run (or
 minus once for a loop body that never runs). dot_flops(c) = 2 * prod(result dims) *
 prod(contracting dims) over the `dot` instructions of c and of the fusions it calls (not of
-nested loop bodies, which are computations of their own). Elementwise FLOPs inside loop
+nested loop bodies, which are computations of their own); a `convolution` (how TPU programs
+write matmuls) counts 2 * prod(result dims) * input features * window size. Custom calls
+(e.g. TPU's ragged-dot kernel) are not parsed: XLA's own count includes them, once per
+computation. Elementwise FLOPs inside loop
 bodies stay counted once; for matmul-heavy loops they are well under 1%.
 
 Naming loops. Put the loop under a scope, `with jax.named_scope("gmm_tile_64"):
@@ -273,6 +276,8 @@ def parse_hlo(text):
     for ins in instrs:
       if ins.opcode == "dot":
         flops += _dot_flops(ins, types)
+      elif ins.opcode == "convolution":  # TPU writes matmuls as convolutions
+        flops += _conv_flops(ins, types)
       kind = _collective_kind(ins.opcode)
       if kind:
         c = coll.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0,
@@ -339,6 +344,21 @@ def _dot_flops(ins, types):
   contract = [int(d) for d in m.group(1).split(",") if d] if m else []
   k = int(np.prod([lhs[d] for d in contract])) if lhs and contract else 1
   return 2.0 * float(np.prod(out)) * k
+
+
+def _conv_flops(ins, types):
+  """2 * prod(result dims) * input features * window size / feature groups."""
+  out = _dims(ins.type)
+  lhs = _dims(types.get(ins.operands[0], "")) if ins.operands else []
+  m = re.search(r"dim_labels=(\w+)_", ins.attrs)
+  if not lhs or not m or "f" not in m.group(1) or len(m.group(1)) != len(lhs):
+    return 0.0
+  features = lhs[m.group(1).index("f")]
+  w = re.search(r"window=\{size=([0-9x]+)", ins.attrs)
+  window = int(np.prod([int(v) for v in w.group(1).split("x")])) if w else 1
+  g = re.search(r"feature_group_count=(\d+)", ins.attrs)
+  groups = int(g.group(1)) if g else 1
+  return 2.0 * float(np.prod(out)) * features * window / groups
 
 
 def _group_size(attrs):

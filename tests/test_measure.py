@@ -227,3 +227,13 @@ def test_path_keys_tell_nested_loops_with_the_same_scope_apart():
   assert flops["dot_executed"] == (3 + 10) * dot
   flops = measure.executed_flops(compiled, {"steps": 3, "outer": 5})
   assert flops["dot_executed"] == (3 + 3) * dot
+
+
+def test_convolution_flops_are_counted():
+  """TPU programs write matmuls as convolutions: 2 * output * input features * window."""
+  x = _spec((2, 8, 16, 16))  # N, C_in, H, W
+  w = _spec((4, 8, 3, 3))  # C_out, C_in, kh, kw
+  compiled = measure.compile_fn(
+      lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "VALID"), x, w)
+  out = 2 * 4 * 14 * 14
+  assert measure.executed_flops(compiled)["dot_executed"] == 2 * out * 8 * 3 * 3
