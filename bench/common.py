@@ -35,32 +35,66 @@ def machine_info():
           "load_average_1min": os.getloadavg()[0]}
 
 
-def time_in_turns(fns_args, repeats):
+def time_in_turns(fns_args, repeats, on_turn=None):
   """Calls each (fn, args) once to warm up, then in turn `repeats` times.
+
+  Args:
+    fns_args: list of (fn, args).
+    repeats: timed calls of each.
+    on_turn: called with the turn number after the warm-up (0) and each timed turn.
 
   Returns:
     list of dicts {"median", "min", "max"} in seconds, one per (fn, args).
   """
   for fn, args in fns_args:
     jax.block_until_ready(fn(*args))
+  if on_turn:
+    on_turn(0)
   times = [[] for _ in fns_args]
-  for _ in range(repeats):
+  for turn in range(repeats):
     for i, (fn, args) in enumerate(fns_args):
       t0 = time.perf_counter()
       jax.block_until_ready(fn(*args))
       times[i].append(time.perf_counter() - t0)
+    if on_turn:
+      on_turn(turn + 1)
   return [{"median": statistics.median(t), "min": min(t), "max": max(t)} for t in times]
+
+
+def routing_log_popularity(routing, num_experts, k, *, num_devices=8, zipf_s=1.2, seed=0):
+  """Log-popularity of each expert under a routing skew (+inf: always chosen, -inf: never).
+
+  "uniform": all 0. "zipf": -s * log(rank), ranks placed on experts in a random
+  permutation (popular experts spread over devices, as an unconstrained router spreads
+  them). "hot_expert": expert 0 is +inf (one slot of every token), the others 0.
+  "one_device": 0 for the experts of device 0 (ids < E / num_devices, at least K of them),
+  -inf for the others.
+
+  Returns:
+    np.float64[E].
+  """
+  logp = np.zeros(num_experts)
+  if routing == "zipf":
+    ranks = np.random.default_rng(seed).permutation(num_experts) + 1
+    logp = -zipf_s * np.log(ranks)
+  elif routing == "hot_expert":
+    logp[0] = np.inf
+  elif routing == "one_device":
+    local = max(num_experts // num_devices, k)
+    logp = np.where(np.arange(num_experts) < local, 0.0, -np.inf)
+  elif routing != "uniform":
+    raise ValueError(f"routing must be one of {', '.join(ROUTINGS)} (got {routing!r})")
+  return logp
 
 
 def synthetic_routing(routing, tokens, num_experts, k, *, num_devices=8, zipf_s=1.2, seed=0):
   """Draws a routing: K distinct experts per token and combine weights summing to 1.
 
+  Each token's K experts are a draw without replacement from the popularity of
+  `routing_log_popularity` (Gumbel top-k).
+
   Args:
-    routing: "uniform"; "zipf" (expert popularity proportional to rank^-s, ranks placed on
-      experts in a random permutation, so popular experts are spread over devices as an
-      unconstrained router would spread them); "hot_expert" (one slot of every token goes
-      to expert 0, the others uniform); "one_device" (every token to the experts of device
-      0, i.e. ids < E / num_devices, padded with uniform if K exceeds them).
+    routing: one of ROUTINGS; see `routing_log_popularity`.
     tokens, num_experts, k: T, E, K.
     num_devices: devices on the expert axis, for "one_device" (default 8).
     zipf_s: Zipf exponent (default 1.2).
@@ -69,21 +103,11 @@ def synthetic_routing(routing, tokens, num_experts, k, *, num_devices=8, zipf_s=
   Returns:
     (experts_TK: i32[T, K], weights_TK: f32[T, K]) as NumPy arrays.
   """
-  rng = np.random.default_rng(seed)
-  logp = np.zeros(num_experts)
-  if routing == "zipf":
-    ranks = rng.permutation(num_experts) + 1
-    logp = -zipf_s * np.log(ranks)
-  elif routing == "one_device":
-    local = max(1, num_experts // num_devices)
-    logp = np.where(np.arange(num_experts) < max(local, k), 0.0, -np.inf)
-  elif routing not in ("uniform", "hot_expert"):
-    raise ValueError(f"synthetic_routing: routing must be one of {ROUTINGS} (got {routing!r})")
-  gumbel = rng.gumbel(size=(tokens, num_experts))  # Gumbel top-k: K draws without replacement
-  experts = np.argsort(-(logp + gumbel), axis=1)[:, :k]
-  if routing == "hot_expert":
-    others = np.argsort(-(gumbel[:, 1:]), axis=1)[:, :k - 1] + 1
-    experts = np.concatenate([np.zeros((tokens, 1), int), others], axis=1)
+  logp = routing_log_popularity(routing, num_experts, k, num_devices=num_devices,
+                                zipf_s=zipf_s, seed=seed)
+  rng = np.random.default_rng(seed + 1)
+  gumbel = rng.gumbel(size=(tokens, num_experts))
+  experts = np.argsort(-(logp + gumbel), axis=1, kind="stable")[:, :k]
   weights = rng.random((tokens, k)) + 0.1
   weights /= weights.sum(axis=1, keepdims=True)
   return experts.astype(np.int32), weights.astype(np.float32)

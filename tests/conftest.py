@@ -6,6 +6,13 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+# The tests run on CPU devices. With libtpu installed (the tpu extra, for the ahead-of-time
+# TPU compile tests) every JAX process would also try to open a TPU and hold libtpu's
+# lockfile, failing any other process's TPU compile: skip the TPU backend and allow several
+# processes to load libtpu. Subprocesses (notebook kernels, multi-process workers) inherit.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402

@@ -1,0 +1,92 @@
+"""Compiling for a TPU topology on a machine without one: devices, peak figures, estimates.
+
+`jax.experimental.topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4")`
+(needs libtpu: `pip install -e ".[tpu]"`) gives abstract devices of that slice; a mesh over
+them and `jax.ShapeDtypeStruct` inputs with shardings let `jit(f).lower(...).compile()`
+build the real TPU program. Nothing runs: every figure from it is an estimate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Published per-chip peaks (bf16 FLOP/s, HBM bytes/s, ICI bytes/s sent per chip = half the
+# bidirectional figure). Sources: Cloud TPU system architecture pages,
+# https://cloud.google.com/tpu/docs/v5e ("Peak compute per chip (bf16) 197 TFLOPs",
+# "HBM2 capacity and bandwidth 16 GB, 819 GBps", "Bidirectional inter-chip interconnect
+# (ICI) bandwidth (per chip) 400 GBps") and https://cloud.google.com/tpu/docs/v6e
+# ("918 TFLOPs", "HBM bandwidth per chip 1638 GBps", "Bidirectional ICI bandwidth (per
+# chip) 800 GBps").
+PEAKS = {
+    "v5e": {"flops": 197e12, "hbm": 819e9, "ici": 400e9 / 2},
+    "v6e": {"flops": 918e12, "hbm": 1638e9, "ici": 800e9 / 2},
+}
+
+
+def generation(topology):
+  """"v5e:2x4" -> "v5e"."""
+  return topology.split(":", 1)[0].lower()
+
+
+def devices(topology):
+  """The abstract TPU devices of `topology` (e.g. "v5e:2x4", "v6e:2x4", "v4:2x2x2").
+
+  Raises:
+    ValueError: libtpu is missing or the topology is unknown (one line, the cause named).
+  """
+  try:
+    from jax.experimental import topologies
+  except ImportError as err:  # pragma: no cover - part of jax
+    raise ValueError(f"--tpu needs jax.experimental.topologies ({err})") from None
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    raise ValueError("--tpu needs libtpu: pip install -e \".[tpu]\"") from None
+  try:
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+  except Exception as err:  # noqa: BLE001 - libtpu raises several kinds
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    raise ValueError(f"--tpu {topology}: cannot describe this topology ({first})") from None
+  return list(topo.devices)
+
+
+def mesh_devices(devs, n_expert, n_data):
+  """Arranges the abstract devices as an (expert, data) grid, in their order."""
+  return np.array(devs[:n_expert * n_data], dtype=object).reshape(n_expert, n_data)
+
+
+def estimates(compiled, flops, wire_bytes, topology):
+  """XLA's TPU cost estimate and a roofline, per device, in seconds.
+
+  Args:
+    compiled: the TPU `Compiled`.
+    flops: `measure.executed_flops(compiled, trip_counts)` of one device.
+    wire_bytes: collective bytes one device sends (loops scaled).
+    topology: e.g. "v5e:2x4".
+
+  Returns:
+    dict: xla_optimal_s (cost_analysis()["optimal_seconds"]; XLA visits each while body
+    once; None when XLA could not cost an instruction); xla_optimal_scaled_s (that estimate times executed FLOPs / XLA's FLOPs, i.e.
+    loop bodies counted once per iteration, assuming time in proportion to FLOPs); and, for
+    a chip with cited peaks, roofline_s = max(compute_s, hbm_s, ici_s): executed FLOPs over
+    peak FLOP/s, XLA's "bytes accessed" (bodies once) over HBM bandwidth, bytes sent over
+    ICI bandwidth.
+  """
+  ca = compiled.cost_analysis()
+  if isinstance(ca, list):  # older JAX: one dict per program
+    ca = ca[0]
+  opt = float(ca.get("optimal_seconds", -1.0))
+  # XLA adds -1 s for each instruction it cannot cost (seen: the transposes of TPU's
+  # ragged-dot kernel in a backward pass); such a total is no estimate.
+  opt = opt if opt >= 0 else None
+  out = {"xla_optimal_s": opt,
+         "xla_optimal_scaled_s": (None if opt is None else
+                                  opt * flops["executed"] / max(flops["xla"], 1.0)),
+         "hbm_bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+  peak = PEAKS.get(generation(topology))
+  if peak is not None:
+    out["compute_s"] = flops["executed"] / peak["flops"]
+    out["hbm_s"] = out["hbm_bytes_accessed"] / peak["hbm"]
+    out["ici_s"] = wire_bytes / peak["ici"]
+    out["roofline_s"] = max(out["compute_s"], out["hbm_s"], out["ici_s"])
+  return out

@@ -1,0 +1,176 @@
+"""The benchmark CLI: its host-side accounting against the library, its outputs, its errors."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import moe_shard as ms
+from bench import baselines, cli, common
+from bench import programs as progs
+from moe_shard import measure
+
+SMALL = progs.Size(T=256, D=16, F=32, K=2)
+SMALL_ARGS = ["-T", "256", "-D", "16", "-F", "32", "-E", "8", "--repeats", "1",
+              "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+  return cli._mesh("8x1", jax.devices())
+
+
+@pytest.fixture(scope="module")
+def mesh42():
+  return cli._mesh("4x2", jax.devices())
+
+
+@pytest.mark.parametrize("routing", common.ROUTINGS)
+def test_synthetic_routing_follows_its_skew(routing):
+  e, w = common.synthetic_routing(routing, 512, 16, 2, num_devices=8)
+  assert e.shape == w.shape == (512, 2)
+  assert np.all(e[:, 0] != e[:, 1])  # K distinct experts
+  np.testing.assert_allclose(w.sum(axis=1), 1.0, rtol=1e-6)
+  load = np.bincount(e.ravel(), minlength=16)
+  if routing == "hot_expert":
+    assert load[0] == 512
+  elif routing == "one_device":
+    assert load[2:].sum() == 0  # E / N = 2 experts on device 0, K = 2
+  elif routing == "zipf":
+    assert load.max() > 3 * 512 * 2 / 16
+  else:
+    assert load.max() < 2 * 512 * 2 / 16
+
+
+@pytest.mark.parametrize("mesh_name, routing", [
+    ("mesh8", "zipf"), ("mesh8", "one_device"), ("mesh42", "uniform"),
+    ("mesh42", "hot_expert")])
+def test_host_rounds_and_trip_counts_match_the_library(routing, mesh_name, request):
+  """The host's rounds equal the library's stats; its trip counts cover every loop and
+  give executed dot FLOPs of at least the routed ones."""
+  mesh = request.getfixturevalue(mesh_name)
+  case = progs.make_case("kernel", 8, routing, SMALL, mesh)
+  x, w, e, g, _ = case.args
+  _, stats = ms.moe_all_to_all(x, w, e, g, mesh=mesh, return_stats=True)
+  assert progs.rounds_and_dropped(case, "all_to_all") == (int(stats["rounds"]), 0)
+  compiled = progs.programs(case, "all_to_all")["fwd"].lower(*case.args).compile()
+  trips = progs.trip_counts(case, "all_to_all")
+  assert len(trips) == mesh.size
+  per_dev = [measure.executed_flops(compiled, t)["dot_executed"] for t in trips]
+  routed_per_dev = case.routed_flops / mesh.size
+  # Every received row is computed once, in some tile; tiles pad up to the next size.
+  assert sum(per_dev) >= case.routed_flops
+  assert max(per_dev) >= routed_per_dev
+
+
+def test_layer_level_reports_the_rounds_the_host_counts(mesh42):
+  """At layer level the routing comes from the biased router; the host recomputes it."""
+  case = progs.make_case("layer", 8, "hot_expert", SMALL, mesh42)
+  load = np.bincount(case.experts_TK.ravel(), minlength=8)
+  assert load[0] == SMALL.T  # the router's bias row makes expert 0 every token's choice
+  y, _, rounds, dropped = progs.programs(case, "all_to_all")["fwd"](*case.args)
+  assert (int(rounds), int(dropped)) == progs.rounds_and_dropped(case, "all_to_all")
+  params, x, _ = (jax.device_get(a) for a in case.args)
+  ref, _ = ms.moe_layer(params, x, dataclasses.replace(case.cfg, impl="ragged_dot"))
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_gshard_baseline_matches_the_reference_without_drops(mesh8):
+  case = progs.make_case("kernel", 8, "uniform", SMALL, mesh8)
+  x, w, e, g, _ = case.args
+  y, dropped = jax.jit(lambda *a: baselines.gshard_moe(
+      *a, mesh=mesh8, capacity_factor=8.0))(x, ms.Linear(w_EDF=w), e, g)
+  ref = ms.moe_ragged_dot(*(jax.device_get(a) for a in (x, w, e, g)))
+  assert int(dropped) == 0
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "hot_expert"])
+def test_gshard_drops_what_the_host_counts(mesh8, routing):
+  size = dataclasses.replace(SMALL, capacity_factor=1.0)
+  case = progs.make_case("kernel", 8, routing, size, mesh8)
+  x, w, e, g, _ = case.args
+  _, dropped = jax.jit(lambda *a: baselines.gshard_moe(
+      *a, mesh=mesh8, capacity_factor=1.0))(x, ms.Linear(w_EDF=w), e, g)
+  assert progs.rounds_and_dropped(case, "jit_gshard_einsum") == (1, int(dropped))
+  assert routing == "uniform" or int(dropped) > 0
+
+
+def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
+  stem = str(tmp_path / "r")
+  png = str(tmp_path / "r.png")
+  code = cli.main([*SMALL_ARGS, "--levels", "kernel", "--routing", "zipf",
+                   "--impls", "all_to_all,jit_gshard_einsum",
+                   "--capacity-factor", "4", "--out", stem, "--plot", png])
+  assert code == 0
+  out = capsys.readouterr().out
+  assert "all_to_all" in out and "fastest jit-only" in out
+  data = json.load(open(stem + ".json"))
+  rows = data["rows"]
+  assert data["machine"]["jax"] == jax.__version__
+  assert len(rows) == 2 * 2  # impls x modes
+  for r in rows:
+    assert r["time_s"]["min"] <= r["time_s"]["median"] <= r["time_s"]["max"]
+    assert r["flops_ratio"] >= 0.99 and r["temp_bytes"] >= 0 and r["compile_s"] > 0
+    if r["mode"] == "fwd":
+      assert r["max_abs_err"] < (1e-3 if r["dropped"] == 0 else np.inf)
+  a2a = [r for r in rows if r["impl"] == "all_to_all"]
+  assert all(r["rounds"] >= 1 and r["dropped"] == 0 and r["wire_bytes"] > 0 for r in a2a)
+  header = open(stem + ".csv").readline().strip().split(",")
+  assert header[:5] == ["level", "impl", "E", "routing", "mode"]
+  assert "all_to_all against the best jit-only" in open(stem + ".md").read()
+  assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-E", "6"], "experts (6) must be divisible by the expert axis of the mesh (8)"),
+    (["--impls", "all_to_all,fast"], "unknown impl fast"),
+    (["--mesh", "16x1"], "mesh 16x1 needs 16 devices, found 8"),
+    (["--mesh", "8by1"], "--mesh must be EXPERTxDATA"),
+    (["-T", "100"], "tokens (100) must be divisible by the mesh size (8)"),
+    (["--routing", "zipf,spiky"], "unknown routing spiky"),
+    (["-K", "9"], "top-k (9) must be <= experts (8)"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
+  assert cli.main([*SMALL_ARGS, *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("python -m bench: error: ") and message in err
+  assert "\n" not in err
+
+
+def test_tpu_compile_for_v5e(capsys):
+  """Compiles for a TPU v5e 2x4 slice here (libtpu) and reports estimates."""
+  pytest.importorskip("libtpu")
+  code = cli.main(["--tpu", "v5e:2x4", "-T", "512", "-D", "128", "-F", "256", "-E", "8",
+                   "--levels", "kernel", "--impls", "all_to_all,jit_ragged_dot",
+                   "--modes", "fwd", "--no-progress"])
+  assert code == 0
+  out = capsys.readouterr().out
+  assert "roofline" in out and "all_to_all" in out
+
+
+def test_tpu_estimates_use_cited_peaks():
+  pytest.importorskip("libtpu")
+  from bench import tpu
+  devs = tpu.devices("v5e:2x4")
+  assert len(devs) == 8 and "TPU" in devs[0].device_kind
+  mesh = cli._mesh(None, devs)
+  case = progs.make_case("kernel", 8, "uniform", dataclasses.replace(SMALL, dtype="bfloat16"),
+                         mesh, abstract=True)
+  compiled = progs.programs(case, "all_to_all")["fwd"].lower(*case.args).compile()
+  trips = progs.trip_counts(case, "all_to_all", on_tpu=True)
+  assert set(trips[0]) == {"a2a_overflow_rounds"}  # TPU: ragged_dot, no tile loops
+  flops = measure.executed_flops(compiled, trips[0])
+  est = tpu.estimates(compiled, flops, 1e6, "v5e:2x4")
+  assert est["xla_optimal_s"] > 0
+  assert est["ici_s"] == pytest.approx(1e6 / 200e9)
+  assert est["roofline_s"] == max(est["compute_s"], est["hbm_s"], est["ici_s"])
+
+
+def test_unknown_tpu_topology_is_a_usage_error(capsys):
+  pytest.importorskip("libtpu")
+  assert cli.main(["--tpu", "v99:1x1", "--no-progress"]) == 2
+  assert "v99:1x1" in capsys.readouterr().err
