@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -87,9 +88,20 @@ def _check_mesh(fn, mesh, expert_axis):
 
 
 def place(a, mesh, spec):
-  """Puts `a` on the mesh with `spec`, inside or outside jit, for Auto or Explicit axes."""
+  """Puts `a` on the mesh with `spec`, inside or outside jit, for Auto or Explicit axes.
+
+  On a mesh spanning processes, data this process holds whole (NumPy, or a jax.Array on its
+  own devices) is taken to be the same global array in every process.
+  """
   sharding = NamedSharding(mesh, spec)
   if not isinstance(a, jax.core.Tracer):
+    if not sharding.is_fully_addressable and getattr(a, "is_fully_addressable", True):
+      # Each process copies only its own shards; device_put would first all-gather the
+      # whole array from every process to check that they agree.
+      host = np.asarray(a)
+      dtype = jax.dtypes.canonicalize_dtype(host.dtype)
+      return jax.make_array_from_callback(host.shape, sharding,
+                                          lambda idx: host[idx].astype(dtype), dtype=dtype)
     return jax.device_put(a, sharding)
   if all(t == AxisType.Explicit for t in mesh.axis_types):
     return jax.sharding.reshard(a, sharding)
