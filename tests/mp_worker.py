@@ -1,0 +1,127 @@
+"""One process of the multi-process test: `python tests/mp_worker.py --process-id I ...`.
+
+Every process builds the same seeded NumPy case, supplies only the shards on its own devices
+(`jax.make_array_from_callback`), runs `moe_layer` (all_to_all) forward and backward under
+`jax.jit` on meshes over the devices of every process, and gathers the results to host;
+process 0 writes them to an .npz. `tests/test_multiprocess.py` runs the same `run` in one
+process and compares.
+
+`--die after_init` or `--die during` makes process `--dying` exit abruptly after connecting,
+or right after dispatching the first step, for the test that the others stop.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # before JAX is imported: 4 CPU devices per process
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import moe_shard as ms  # noqa: E402
+from cases import FAST_COMPILE  # noqa: E402
+from moe_shard import parallel  # noqa: E402
+
+# gmm_impl="ragged_dot": the tiled kernel's loops stay within a device and would dominate the
+# compile time; what crosses processes is the dispatch, its return and the gradient sums.
+CFG = ms.MoEConfig(d_model=16, d_ff=32, num_experts=8, top_k=2, impl="all_to_all",
+                   gmm_impl="ragged_dot", num_shared_experts=1)
+B, S = 8, 8  # T = 64 tokens
+MESHES = ((4, 2),)  # (expert, data): processes split the expert axis, each holds 2 rows
+
+
+def make_mesh(shape):
+  """An Auto ("expert", "data") mesh over every device of every process."""
+  return jax.make_mesh(shape, ("expert", "data"), axis_types=(AxisType.Auto,) * 2,
+                       devices=jax.devices())
+
+
+def case(seed=0):
+  """The global inputs as NumPy arrays: (params: MoEParams, x_BSD, ct_BSD)."""
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(
+      lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[-2])).astype(s.dtype),
+      ms.moe_param_shapes(CFG))
+  x_BSD = rng.normal(size=(B, S, CFG.d_model)).astype(np.float32)
+  ct_BSD = rng.normal(size=(B, S, CFG.d_model)).astype(np.float32)
+  return params, x_BSD, ct_BSD
+
+
+def shard(a, mesh, spec):
+  """The global jax.Array of NumPy `a`, of which this process builds only its own shards."""
+  return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
+
+
+@functools.partial(jax.jit, static_argnames="mesh", compiler_options=FAST_COMPILE)
+def step(params, x_BSD, ct_BSD, *, mesh):
+  """Forward and backward of `sum(y * ct) + aux_loss`: dict(y, aux, dparams, dx)."""
+
+  def loss(params, x_BSD):
+    y_BSD, aux = ms.moe_layer(params, x_BSD, CFG, mesh=mesh)
+    return jnp.sum(y_BSD * ct_BSD) + aux["aux_loss"], (y_BSD, aux)
+
+  (dparams, dx_BSD), (y_BSD, aux) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+      params, x_BSD)
+  return dict(y=y_BSD, aux=aux, dparams=dparams, dx=dx_BSD)
+
+
+def run(mesh, seed=0):
+  """Places the case on `mesh` and dispatches `step` (asynchronously): {name: jax.Array}.
+
+  Also `place`: `parallel.place` of the NumPy tokens, which must come back unchanged.
+  """
+  params, x_BSD, ct_BSD = case(seed)
+  tok = P(tuple(mesh.axis_names))
+  params = jax.tree.map(lambda a, s: shard(a, mesh, s), params, ms.moe_param_specs(CFG))
+  out = step(params, shard(x_BSD, mesh, tok), shard(ct_BSD, mesh, tok), mesh=mesh)
+  out["place"] = parallel.place(x_BSD, mesh, tok)
+  tag = "x".join(map(str, mesh.devices.shape))
+  return {f"{tag}/{jax.tree_util.keystr(p, simple=True, separator='/')}": a
+          for p, a in jax.tree_util.tree_leaves_with_path(out)}
+
+
+def main():
+  from jax.experimental import multihost_utils
+
+  from bench import distributed
+  parser = argparse.ArgumentParser()
+  distributed.add_arguments(parser)
+  parser.add_argument("--out", required=True, help=".npz that process 0 writes")
+  parser.add_argument("--heartbeat", type=int, default=distributed.HEARTBEAT_S,
+                      help="seconds without heartbeats before a process counts as dead")
+  parser.add_argument("--die", choices=("never", "after_init", "during"), default="never")
+  parser.add_argument("--dying", type=int, default=1, help="the process that dies")
+  args = parser.parse_args()
+  distributed.initialize(args, heartbeat_s=args.heartbeat, connect_s=60)
+  dies = args.die != "never" and args.process_id == args.dying
+  if dies and args.die == "after_init":
+    os._exit(1)
+  results = {}
+  for shape in MESHES:
+    mesh = make_mesh(shape)
+    assert len({d.process_index for d in mesh.devices[:, 0]}) == jax.process_count(), \
+        f"the expert axis should cross processes: {mesh.devices}"
+    out = run(mesh)
+    if dies:  # "during": the step is dispatched, its collectives under way
+      os._exit(1)
+    # Every process takes part in gathering the global arrays; each gets them whole.
+    results.update({k: np.asarray(multihost_utils.process_allgather(a, tiled=True))
+                    for k, a in out.items()})
+  if distributed.is_leader():
+    np.savez(args.out, **results)
+  print(f"process {jax.process_index()} of {jax.process_count()}: done", flush=True)
+
+
+if __name__ == "__main__":
+  main()
