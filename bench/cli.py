@@ -2,7 +2,7 @@
 
     python -m bench                    # default: the layer at T=8192, D=512, F=1024, K=2, E=8
     python -m bench --quick            # small sizes, about a minute
-    python -m bench --sweep            # levels x E in {8, 64} x four routing skews
+    python -m bench --sweep            # levels x E in {8, 64} x four routing skews, smaller
     python -m bench --tpu v5e:2x4      # compile for a TPU slice here: estimates, not runs
 
 Every implementation of a case gets the same sharded inputs (tokens over every mesh axis,
@@ -35,12 +35,12 @@ import time
 
 PRESETS = {
     "default": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8",
-                    routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=3),
+                    routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
     "quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
                   routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=2),
-    "sweep": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8,64",
+    "sweep": dict(tokens=4096, d_model=256, d_ff=512, top_k=2, experts="8,64",
                   routing="uniform,zipf,hot_expert,one_device", levels="kernel,layer",
-                  modes="fwd,fwd_bwd", repeats=3),
+                  modes="fwd,fwd_bwd", repeats=2),
     "tpu": dict(tokens=32768, d_model=2048, d_ff=4096, top_k=2, experts="8,64",
                 routing="uniform,zipf", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=0),
     "tpu_quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",

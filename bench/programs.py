@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -110,7 +111,8 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     dt = dt or a.dtype
     if abstract:
       return jax.ShapeDtypeStruct(a.shape, dt, sharding=sharding)
-    return jax.device_put(np.asarray(a).astype(dt), sharding)
+    a = np.asarray(a).astype(dt)  # every process holds it whole and places only its shards
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
   if level == "kernel":
     experts, weights = common.synthetic_routing(routing, T, E, K, num_devices=N,
@@ -162,7 +164,7 @@ def _layer_routing(params, x_BSD, cfg, mesh):
                         params.router_DE.astype(jnp.float32))
     return layer_lib.route(logits, cfg, mesh).experts_TK
 
-  return np.asarray(jax.device_get(experts(params, x_BSD)))
+  return np.asarray(multihost_utils.process_allgather(experts(params, x_BSD), tiled=True))
 
 
 def programs(case, impl):
