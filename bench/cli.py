@@ -28,7 +28,6 @@ import csv
 import dataclasses
 import io
 import json
-import math
 import os
 import sys
 import time
@@ -94,6 +93,9 @@ def parser():
   p.add_argument("--csv", metavar="PATH")
   p.add_argument("--plot", metavar="PNG", help="bar charts of time and bytes (matplotlib)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+  p.add_argument("--from-json", metavar="PATH",
+                 help="measure nothing: print (and with --out/--csv/--plot, write) the tables "
+                      "and plot of a results file written before")
   distributed.add_arguments(p)
   return p
 
@@ -217,10 +219,8 @@ class Progress:
 
 def run(s, a, mesh, progress_enabled, tpu_topology=None):
   """Measures every (level, E, routing) case; returns the rows."""
-  import jax
-  import numpy as np
-  from bench import programs as progs
   from bench import common, tpu
+  from bench import programs as progs
   from moe_shard import measure
 
   size = progs.Size(T=s["tokens"], D=s["d_model"], F=s["d_ff"], K=s["top_k"],
@@ -253,9 +253,8 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         compile_s = time.perf_counter() - t0
         bar.step(f"compiled {level} E={E} {routing} {impl} {mode}")
         passes = 1 if mode == "fwd" else 3
-        per_dev = [measure.executed_flops(compiled, t, default_trip_count=None)
-                   for t in _unique(trips)]
-        executed = sum(per_dev[_unique(trips).index(t)]["executed"] for t in trips)
+        executed, busiest = _executed_flops(compiled, trips)
+        # Every device sends the same slots in every round: device 0's counts serve.
         coll = measure.collective_bytes(compiled, trips[0])
         wire = sum(c["wire_bytes"] for c in coll.values())
         bound = case.bound_bytes * (1 if mode == "fwd" else 2)
@@ -271,10 +270,8 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
                    temp_bytes=measure.memory_bytes(compiled)["temp"],
                    rounds=rounds if impl == "all_to_all" else None, dropped=dropped)
         if tpu_topology:
-          worst = max(range(len(trips)), key=lambda d: per_dev[_unique(trips).index(
-              trips[d])]["executed"])
-          row.update(tpu.estimates(compiled, per_dev[_unique(trips).index(trips[worst])],
-                                   wire, tpu_topology), topology=tpu_topology)
+          row.update(tpu.estimates(compiled, busiest, wire, tpu_topology),
+                     topology=tpu_topology)
           bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
         else:
           timed.append((compiled, args, row))
@@ -293,12 +290,18 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   return rows
 
 
-def _unique(trips):
-  out = []
+def _executed_flops(compiled, trips):
+  """(FLOPs executed summed over devices, `executed_flops` of the busiest device), from
+  each device's trip counts (devices with equal counts share one evaluation)."""
+  from moe_shard import measure
+  by_counts = {}
   for t in trips:
-    if t not in out:
-      out.append(t)
-  return out
+    key = tuple(sorted(t.items()))
+    if key not in by_counts:
+      by_counts[key] = measure.executed_flops(compiled, t)
+  per_device = [by_counts[tuple(sorted(t.items()))] for t in trips]
+  return (sum(f["executed"] for f in per_device),
+          max(per_device, key=lambda f: f["executed"]))
 
 
 def _errors(case, rows, timed):
@@ -402,7 +405,7 @@ def headline(rows):
           "xla_optimal_scaled_s": "XLA's TPU cost estimate, loops scaled; not a measurement",
           None: "median wall time"}[key]
   return ("| level | E | routing | mode | all_to_all ms | fastest jit-only ms | speed-up | "
-          f"all_to_all MiB/dev | fewest-bytes jit-only MiB/dev | bytes ratio |\n"
+          "all_to_all MiB/dev | fewest-bytes jit-only MiB/dev | bytes ratio |\n"
           "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) +
           f"\n\n(times: {what}; bytes ratio: the jit-only version's bytes over all_to_all's)\n")
 
@@ -444,40 +447,44 @@ def to_csv(rows):
 
 
 def plot(rows, path):
-  """Bar charts, one group per case: time (or XLA's estimate) and bytes per device."""
+  """Bar charts of time (or the TPU estimate) and bytes per device, one panel per (level,
+  mode), a group of bars per (E, routing)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   tpu = any("topology" in r for r in rows)
-  cases = []
-  for r in rows:
-    c = (r["level"], r["E"], r["routing"], r["mode"])
-    if c not in cases:
-      cases.append(c)
+  panels = list(dict.fromkeys((r["level"], r["mode"]) for r in rows))
   impls = list(dict.fromkeys(r["impl"] for r in rows))
-  fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(cases) * len(impls) / 3), 8))
+  fig, axes = plt.subplots(2, len(panels), figsize=(min(5 * len(panels), 22), 7.5),
+                           squeeze=False)
   width = 0.8 / len(impls)
-  for i, impl in enumerate(impls):
-    by_case = {(r["level"], r["E"], r["routing"], r["mode"]): r for r in rows
-               if r["impl"] == impl}
-    xs = [j + i * width for j, c in enumerate(cases) if c in by_case]
-    t = [1e3 * (by_case[c]["xla_optimal_scaled_s"] if tpu else by_case[c]["time_s"]["median"])
-         for c in cases if c in by_case]
-    b = [by_case[c]["wire_bytes"] / 2**20 for c in cases if c in by_case]
-    axes[0].bar(xs, t, width, label=impl)
-    axes[1].bar(xs, b, width, label=impl)
-  for ax, ylabel in zip(axes, ("XLA TPU estimate, ms" if tpu else "median wall time, ms",
-                               "collective MiB sent per device")):
-    ax.set_yscale("log")
-    ax.set_ylabel(ylabel)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-    ax.set_xticklabels(["\n".join(map(str, c)) for c in cases], fontsize=7)
-  axes[0].legend(fontsize=8, ncol=min(5, len(impls)))
+  for col, (level, mode) in enumerate(panels):
+    here = [r for r in rows if (r["level"], r["mode"]) == (level, mode)]
+    cases = list(dict.fromkeys((r["E"], r["routing"]) for r in here))
+    for i, impl in enumerate(impls):
+      by = {(r["E"], r["routing"]): r for r in here if r["impl"] == impl}
+      xs = [j + i * width for j, c in enumerate(cases) if c in by]
+      secs = [by[c].get("roofline_s") if tpu else by[c]["time_s"]["median"]
+              for c in cases if c in by]
+      axes[0, col].bar(xs, [1e3 * t if t is not None else 0 for t in secs], width,
+                       color=f"C{i}", label=impl)
+      axes[1, col].bar(xs, [by[c]["wire_bytes"] / 2**20 for c in cases if c in by], width,
+                       color=f"C{i}", label=impl)
+    for ax in axes[:, col]:
+      ax.set_yscale("log")
+      ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+      ax.set_xticklabels([f"E={e}\n{rt}" for e, rt in cases], fontsize=7)
+    axes[0, col].set_title(f"{level}, {mode.replace('_', '+')}", fontsize=10)
+  axes[0, 0].set_ylabel("roofline estimate, ms (not measured)" if tpu else
+                        "median wall time, ms")
+  axes[1, 0].set_ylabel("collective MiB sent per device")
+  axes[0, 0].legend(fontsize=7)
   r0 = rows[0]
-  axes[0].set_title(f"T={r0['T']} D={r0['D']} F={r0['F']} K={r0['K']} {r0['dtype']} mesh "
-                    f"{r0['mesh']}" + (f" (compiled for TPU {r0['topology']})" if tpu else ""))
+  fig.suptitle(f"T={r0['T']} D={r0['D']} F={r0['F']} K={r0['K']} {r0['dtype']}, mesh "
+               f"{r0['mesh']}" + (f", compiled for TPU {r0['topology']}" if tpu else
+                                  f", {r0['devices']} devices"), fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=90)
+  fig.savefig(path, dpi=80)
   plt.close(fig)
 
 
@@ -526,9 +533,22 @@ def _main(argv):
   s = settings(a)
   if a.plot:
     try:
-      import matplotlib  # noqa: F401
+      import matplotlib  # noqa: F401 - only checked here
     except ImportError:
       raise UsageError("--plot needs matplotlib: pip install -e \".[bench]\"") from None
+  if a.from_json:
+    try:
+      with open(a.from_json) as f:
+        saved = json.load(f)
+    except (OSError, ValueError) as err:
+      raise UsageError(f"--from-json {a.from_json}: {err}") from None
+    rows = saved["rows"]
+    print(headline(rows))
+    print(table(rows))
+    a.json = None  # the file itself stays as it was
+    for path in write(rows, saved["machine"], saved["argv"], saved.get("settings", s), a):
+      print("wrote", path)
+    return 0
   if not _backend_started():
     _ask_for_devices(a.devices, a.num_processes)
     if a.tpu:  # compile only: no TPU is opened, so libtpu's one-process lock is not needed

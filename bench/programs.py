@@ -248,7 +248,7 @@ def rounds_and_dropped(case, impl):
 def _device_loads(case):
   """int[devices, E]: items each device's tokens route to each expert (token blocks in
   mesh order: the sharding P(all axes))."""
-  T, E = case.size.T, case.E
+  E = case.E
   n_dev = case.mesh.size
   e = case.experts_TK.reshape(n_dev, -1)
   load = np.zeros((n_dev, E), np.int64)

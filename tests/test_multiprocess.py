@@ -10,6 +10,7 @@ bounded time.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -39,8 +40,11 @@ def _free_port():
 
 
 @contextlib.contextmanager
-def _workers(tmp_path, *flags):
-  """Starts the two workers, each in its own process group; kills what is left on exit."""
+def _workers(tmp_path, *flags, command=None):
+  """Starts the two workers, each in its own process group; kills what is left on exit.
+
+  `command(i)` gives process i's command line before the process-layout flags (default:
+  `mp_worker.py --out results.npz` and `flags`)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS.parent), str(TESTS),
@@ -52,11 +56,13 @@ def _workers(tmp_path, *flags):
   try:
     for i in range(2):
       with open(tmp_path / f"out{i}.txt", "w") as out, open(tmp_path / f"err{i}.txt", "w") as err:
+        argv = command(i) if command else [
+            sys.executable, str(TESTS / "mp_worker.py"), "--out",
+            str(tmp_path / "results.npz"), *flags]
         procs.append(subprocess.Popen(
-            [sys.executable, str(TESTS / "mp_worker.py"), "--num-processes", "2",
-             "--process-id", str(i), "--coordinator", f"127.0.0.1:{port}",
-             "--out", str(tmp_path / "results.npz"), *flags],
-            env=env, stdout=out, stderr=err, start_new_session=True))
+            [*argv, "--num-processes", "2", "--process-id", str(i),
+             "--coordinator", f"127.0.0.1:{port}"],
+            env=env, stdout=out, stderr=err, start_new_session=True, cwd=TESTS.parent))
     yield procs
   finally:
     for p in procs:
@@ -122,3 +128,23 @@ def test_dead_process_stops_the_other(tmp_path, die, dying):
   assert FATAL in (tmp_path / f"err{survivor}.txt").read_text(errors="replace"), \
       _log(tmp_path, survivor)
   assert not (tmp_path / "results.npz").exists()
+
+
+def test_benchmark_cli_across_processes(tmp_path):
+  """`python -m bench` on 2 processes x 4 devices: one 8-device mesh, process 0 reports."""
+  def command(i):
+    return [sys.executable, "-m", "bench", "-T", "256", "-D", "16", "-F", "32", "-E", "8",
+            "--levels", "kernel", "--impls", "all_to_all,jit_gshard_einsum", "--modes",
+            "fwd", "--repeats", "1", "--out", str(tmp_path / f"process{i}")]
+
+  with _workers(tmp_path, command=command) as procs:
+    exits = _wait(procs, TIMEOUT_S)
+  for i, (code, _) in enumerate(exits):
+    assert code == 0, f"process {i} exit code {code}\n{_log(tmp_path, i)}"
+  out0 = (tmp_path / "out0.txt").read_text()
+  assert "8 cpu devices, 2 process(es)" in out0 and "| all_to_all |" in out0
+  assert (tmp_path / "out1.txt").read_text() == ""  # only process 0 prints ...
+  assert not list(tmp_path.glob("process1.*"))  # ... and writes
+  rows = json.load(open(tmp_path / "process0.json"))["rows"]
+  a2a = next(r for r in rows if r["impl"] == "all_to_all")
+  assert a2a["devices"] == 8 and a2a["rounds"] >= 1 and a2a["wire_bytes"] > 0
