@@ -118,6 +118,8 @@ class Instruction:
   opcode: str
   operands: list  # operand instruction names
   attrs: str  # everything after the operand list
+  args: str = ""  # the text between the opcode's parentheses (a constant's value)
+  root: bool = False
 
 
 @dataclasses.dataclass
@@ -304,7 +306,74 @@ def parse_hlo(text):
     dot_flops[comp] = flops
     if coll:
       collectives[comp] = coll
+  for lp in loops:
+    if lp.known_trip_count is None:
+      lp.known_trip_count = _counted_loop_trips(lp, comps)
   return HloModule(entry, calls, dot_flops, collectives, loops)
+
+
+def _counted_loop_trips(loop, comps):
+  """The trip count of a counted loop XLA wrote without `known_trip_count`, or None.
+
+  Recognises `i = a; while (i < n) {...; i = i + s}` on one tuple element, a, n and s
+  constants (s > 0): the condition's root compares that element with n (LT), the while's
+  initial tuple holds a there and the body's root tuple holds element + s. Such loops come
+  from XLA itself, e.g. the TPU partitioner's windowed einsums.
+  """
+  def by_name(comp):
+    return {ins.name: ins for ins in comps.get(comp, ())}
+
+  def root(comp):
+    return next((ins for ins in comps.get(comp, ()) if ins.root), None)
+
+  def constant(ins, instrs):
+    while ins is not None and ins.opcode in ("copy", "bitcast", "convert") and ins.operands:
+      ins = instrs.get(ins.operands[0])
+    if ins is None or ins.opcode != "constant" or not re.fullmatch(r"-?\d+", ins.args):
+      return None
+    return int(ins.args)
+
+  def element(ins):
+    m = re.search(r"\bindex=(\d+)", ins.attrs) if ins is not None else None
+    return int(m.group(1)) if m and ins.opcode == "get-tuple-element" else None
+
+  def unfused(ins, instrs):
+    """(opcode, attrs, operand instructions) of `ins`, seen through a one-op fusion."""
+    if ins is None:
+      return None, "", []
+    called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+    inner = root(called.group(1)) if ins.opcode == "fusion" and called else None
+    if inner is None:
+      return ins.opcode, ins.attrs, [instrs.get(o) for o in ins.operands]
+    params = {i.name: i for i in comps.get(called.group(1), ()) if i.opcode == "parameter"}
+    if not all(o in params for o in inner.operands):
+      return ins.opcode, ins.attrs, [instrs.get(o) for o in ins.operands]
+    operands = [instrs.get(ins.operands[int(params[o].args)]) for o in inner.operands]
+    return inner.opcode, inner.attrs, operands
+
+  cond_ins = by_name(loop.condition)
+  opcode, attrs, operands = unfused(root(loop.condition), cond_ins)
+  if opcode != "compare" or "direction=LT" not in attrs or len(operands) != 2:
+    return None
+  k = element(operands[0])
+  limit = constant(operands[1], cond_ins)
+  parent = by_name(loop.parent)
+  init = parent.get(parent[loop.name].operands[0]) if loop.name in parent else None
+  if k is None or limit is None or init is None or init.opcode != "tuple":
+    return None
+  start = constant(parent.get(init.operands[k]), parent)
+  body, body_ins = root(loop.body), by_name(loop.body)
+  if start is None or body is None or body.opcode != "tuple":
+    return None
+  opcode, _, operands = unfused(body_ins.get(body.operands[k]), body_ins)
+  if opcode != "add" or len(operands) != 2:
+    return None
+  a, b = operands
+  step = (constant(b, body_ins) if element(a) == k else
+          constant(a, body_ins) if element(b) == k else None)
+  if not step or step < 1:
+    return None
+  return max(0, -(-(limit - start) // step))
 
 
 def _parse_instruction(line):
@@ -334,7 +403,8 @@ def _parse_instruction(line):
       break
   operand_str, attrs = tail[:i], tail[i + 1:]
   operands = [o.group(1) for o in re.finditer(r"%([\w.\-]+)", operand_str)]
-  return Instruction(name, type_str, opcode, operands, attrs)
+  return Instruction(name, type_str, opcode, operands, attrs, operand_str.strip(),
+                     bool(m.group(1)))
 
 
 def _dot_flops(ins, types):

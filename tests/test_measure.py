@@ -1,6 +1,7 @@
 """`moe_shard.measure` against programs whose FLOPs and bytes are known by construction."""
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +238,17 @@ def test_convolution_flops_are_counted():
       lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "VALID"), x, w)
   out = 2 * 4 * 14 * 14
   assert measure.executed_flops(compiled)["dot_executed"] == 2 * out * 8 * 3 * 3
+
+
+@pytest.mark.parametrize("start, stop", [(0, 5), (3, 10)])
+def test_counted_loop_without_annotation_gets_its_trip_count(start, stop):
+  """XLA's own loops on TPU (e.g. windowed einsums) carry no known_trip_count; a counted
+  loop `i = a; while i < n: i += 1` is recognised from its condition, init and step."""
+  def f(a, b):
+    return jax.lax.fori_loop(start, stop, lambda i, c: jnp.sin(c @ b), a)
+
+  text = measure.compile_fn(f, _spec((8, 8)), _spec((8, 8))).as_text()
+  assert '"known_trip_count"' in text
+  stripped = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text)
+  (lp,) = measure.parse_hlo(stripped).loops
+  assert lp.known_trip_count == stop - start
