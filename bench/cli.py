@@ -29,6 +29,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import sys
 import time
 
@@ -36,12 +37,12 @@ PRESETS = {
     "default": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8",
                     routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
     "quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
-                  routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=2),
+                  routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
     "sweep": dict(tokens=4096, d_model=256, d_ff=512, top_k=2, experts="8,64",
                   routing="uniform,zipf,hot_expert,one_device", levels="kernel,layer",
                   modes="fwd,fwd_bwd", repeats=2),
     "tpu": dict(tokens=32768, d_model=2048, d_ff=4096, top_k=2, experts="8,64",
-                routing="uniform,zipf", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=0),
+                routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=0),
     "tpu_quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
                       routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd",
                       repeats=0),
@@ -84,8 +85,8 @@ def parser():
   p.add_argument("--capacity-factor", type=float, default=1.25,
                  help="jit_gshard_einsum's capacity factor (default 1.25)")
   p.add_argument("--chunk-size", type=int, help="all_to_all's slots per pair and round")
-  p.add_argument("--devices", type=int, default=8,
-                 help="simulated CPU devices when JAX finds only a CPU (default 8)")
+  p.add_argument("--devices", type=int,
+                 help="simulated CPU devices in all, when JAX finds only a CPU (default 8)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", metavar="STEM",
                  help="write STEM.json, STEM.csv and STEM.md (machine and argv recorded)")
@@ -149,7 +150,7 @@ def settings(a):
     raise UsageError(f"--capacity-factor must be > 0 (got {a.capacity_factor})")
   if a.chunk_size is not None and a.chunk_size < 1:
     raise UsageError(f"--chunk-size must be >= 1 (got {a.chunk_size})")
-  if a.devices < 1:
+  if a.devices is not None and a.devices < 1:
     raise UsageError(f"--devices must be >= 1 (got {a.devices})")
   if a.mesh is not None:
     try:
@@ -162,12 +163,24 @@ def settings(a):
 
 
 def _ask_for_devices(count, num_processes):
-  """Asks XLA for `count` CPU devices (split over processes) if no backend exists yet."""
+  """Asks XLA for simulated CPU devices before JAX starts: `count` (default 8) in all, split
+  over the processes. Raises UsageError when JAX, or XLA_FLAGS, already fixed another count."""
   flag = "--xla_force_host_platform_device_count"
-  local = max(1, count // num_processes)
+  local = max(1, (count or 8) // num_processes)
+  if _backend_started():
+    import jax
+    have = jax.local_device_count()
+    if count is not None and jax.default_backend() == "cpu" and have != local:
+      raise UsageError(f"--devices {count}: JAX is already initialised with {have} CPU "
+                       "devices in this process; ask for them before JAX starts")
+    return
   flags = os.environ.get("XLA_FLAGS", "")
-  if flag not in flags:
+  m = re.search(flag + r"=(\d+)", flags)
+  if m is None:
     os.environ["XLA_FLAGS"] = f"{flags} {flag}={local}".strip()
+  elif count is not None and int(m.group(1)) != local:
+    raise UsageError(f"--devices {count} asks for {local} CPU devices per process but "
+                     f"XLA_FLAGS sets {flag}={m.group(1)}")
 
 
 def _backend_started():
@@ -549,10 +562,10 @@ def _main(argv):
     for path in write(rows, saved["machine"], saved["argv"], saved.get("settings", s), a):
       print("wrote", path)
     return 0
-  if not _backend_started():
-    _ask_for_devices(a.devices, a.num_processes)
-    if a.tpu:  # compile only: no TPU is opened, so libtpu's one-process lock is not needed
-      os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if a.tpu and not _backend_started():
+    # Compile only: no TPU is opened, so libtpu's one-process lock is not needed.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  _ask_for_devices(a.devices, a.num_processes)
   from bench import distributed
   try:
     distributed.initialize(a)

@@ -133,6 +133,7 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
     (["--routing", "zipf,spiky"], "unknown routing spiky"),
     (["-K", "9"], "top-k (9) must be <= experts (8)"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--devices", "16"], "--devices 16: JAX is already initialised with 8 CPU devices"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
   assert cli.main([*SMALL_ARGS, *argv]) == 2
@@ -162,7 +163,11 @@ def test_tpu_estimates_use_cited_peaks():
                          mesh, abstract=True)
   compiled = progs.programs(case, "all_to_all")["fwd"].lower(*case.args).compile()
   trips = progs.trip_counts(case, "all_to_all", on_tpu=True)
-  assert set(trips[0]) == {"a2a_overflow_rounds"}  # TPU: ragged_dot, no tile loops
+  assert set(trips[0]) == {"a2a_overflow_rounds"}
+  # grouped_matmul's "auto" picked TPU's native ragged dot, not the tiled kernel's loops.
+  scopes = {lp.scope() for lp in measure.parse_hlo(compiled.as_text()).loops}
+  assert scopes == {"a2a_overflow_rounds"}
+  assert "ragged-dot" in compiled.as_text()
   flops = measure.executed_flops(compiled, trips[0])
   est = tpu.estimates(compiled, flops, 1e6, "v5e:2x4")
   assert est["xla_optimal_s"] > 0
