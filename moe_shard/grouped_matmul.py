@@ -295,15 +295,25 @@ def _for_each_group(sched, body, carry):
     return _fori(sched.num_groups, lambda i, c: body(sched.groups[i], c), carry)
 
 
+def _padded_rows(M, tiles):
+  """Rows of the working buffers: M, or one more than the largest tile when M is not larger.
+
+  Every tile slice must fit; and a buffer of exactly one largest tile would make that tile's
+  slice start provably 0, so XLA would hoist its matmul out of the (data-dependent) loop
+  and run it whether or not the loop runs.
+  """
+  return M if M > tiles[0] else tiles[0] + 1
+
+
 def _pad_rows(a_MK, rows):
-  """Pads to `rows` rows when M is smaller than the largest tile (small inputs only)."""
+  """Pads to `rows` rows when M is not larger than the largest tile (small inputs only)."""
   return a_MK if a_MK.shape[0] >= rows else jnp.pad(a_MK, ((0, rows - a_MK.shape[0]), (0, 0)))
 
 
 def _gmm_fwd_loop(x_MD, w_GDF, sched):
   """y_MF: f32[M, F], y[rows of g] = x[rows of g] @ w[g], other rows 0."""
   M = x_MD.shape[0]
-  P = max(M, sched.tiles[0])
+  P = _padded_rows(M, sched.tiles)
   x_PD = _pad_rows(x_MD, P)
   y_PF = _zeros_varying((P, w_GDF.shape[2]), jnp.float32, x_MD, w_GDF)
 
@@ -325,7 +335,7 @@ def _gmm_bwd_loop(x_MD, w_GDF, dy_MF, sched):
   """(dx_MD: f32[M, D], dw_GDF: f32[G, D, F]) of y = gmm(x, w) for the cotangent dy_MF."""
   M, D = x_MD.shape
   G, _, F = w_GDF.shape
-  P = max(M, sched.tiles[0])
+  P = _padded_rows(M, sched.tiles)
   x_PD = _pad_rows(x_MD, P)
   dy_PF = _pad_rows(dy_MF, P)
   dx_PD = _zeros_varying((P, D), jnp.float32, x_MD, w_GDF, dy_MF)

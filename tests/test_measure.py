@@ -149,10 +149,14 @@ def test_collective_in_loop_is_attributed_and_scaled(mesh8):
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
-def test_tiled_grouped_matmul_executed_flops(mode):
+@pytest.mark.parametrize("M, sizes", [
+    (100, [40, 0, 37, 3, 11]),
+    (32, [20, 0, 3, 0, 0]),  # M = the largest tile: its matmul must stay inside its loop
+])
+def test_tiled_grouped_matmul_executed_flops(mode, M, sizes):
   """Executed dot FLOPs = 2 * D * F * (rows the schedule computes), x3 with the backward."""
-  M, D, F = 100, 8, 16
-  sizes = np.array([40, 0, 37, 3, 11], np.int32)
+  D, F = 32, 64
+  sizes = np.array(sizes, np.int32)
   tiles = gmm.tile_sizes(M, 32, 4)
   args = [_spec((M, D)), _spec((len(sizes), D, F)), _spec(sizes.shape, jnp.int32)]
 
