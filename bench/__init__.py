@@ -1,1 +1,10 @@
-"""Benchmarks of moe_shard (run as modules from the repo root, e.g. `python -m bench.gmm`)."""
+"""Benchmarks of moe_shard: `python -m bench` (bench/cli.py) and `python -m bench.gmm`.
+
+The names below are shared by the CLI (which reads them before JAX starts) and the
+modules that build the programs.
+"""
+
+IMPLS = ("all_to_all", "all_gather", "jit_ragged_dot", "jit_masked_scan", "jit_gshard_einsum")
+ROUTINGS = ("uniform", "zipf", "hot_expert", "one_device")
+LEVELS = ("layer", "kernel")
+MODES = ("fwd", "fwd_bwd")

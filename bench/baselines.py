@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
+from moe_shard import layer as layer_lib
 
 
 def capacity(tokens_per_group, k, num_experts, capacity_factor):
@@ -29,10 +30,11 @@ def gshard_moe(x_TD, ffn, experts_TK, weights_TK, *, mesh, capacity_factor):
   """Capacity-factor MoE with one-hot einsum dispatch and combine.
 
   Args:
-    x_TD: f[T, D] tokens, T divisible by the mesh size (one group per device).
+    x_TD: f[T, D] tokens, T divisible by the mesh size; the tokens of device (n, m) of the
+      ("expert", "data") mesh form group (n, m).
     ffn: `ms.Linear` or `ms.SwiGLU` with the expert axis first.
     experts_TK: i32[T, K] expert ids; weights_TK: f32[T, K] combine weights.
-    mesh: the mesh; groups are split over every axis, experts over "expert".
+    mesh: the ("expert", "data") mesh; experts are split over "expert".
     capacity_factor: c > 0.
 
   Returns:
@@ -41,43 +43,49 @@ def gshard_moe(x_TD, ffn, experts_TK, weights_TK, *, mesh, capacity_factor):
   T, D = x_TD.shape
   K = experts_TK.shape[1]
   E = jax.tree.leaves(ffn)[0].shape[0]
-  G = mesh.size
-  S = T // G
+  N, M = mesh.shape[ms.EXPERT], mesh.size // mesh.shape[ms.EXPERT]
+  S = T // (N * M)
   C = capacity(S, K, E, capacity_factor)
-  groups = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   others = tuple(a for a in mesh.axis_names if a != ms.EXPERT) or None
-  by_expert = NamedSharding(mesh, P(ms.EXPERT, others))
-  x_GSD = jax.lax.with_sharding_constraint(x_TD.reshape(G, S, D), groups)
-  mask_GKSE = jax.nn.one_hot(experts_TK.reshape(G, S, K).transpose(0, 2, 1), E,
-                             dtype=jnp.int32)
+  groups = NamedSharding(mesh, P(ms.EXPERT, others))  # group (n, m) on device (n, m)
+  # Expert e's slots of every group on expert device e; a group's data index stays put, so
+  # the resharding is an all-to-all over "expert" only.
+  by_expert = NamedSharding(mesh, P(ms.EXPERT, None, others))
+  x_NMSD = jax.lax.with_sharding_constraint(x_TD.reshape(N, M, S, D), groups)
+  mask_NMKSE = jax.nn.one_hot(experts_TK.reshape(N, M, S, K).transpose(0, 1, 3, 2), E,
+                              dtype=jnp.int32)
   # Position of each item in its expert's queue, slot-major (all first choices first).
-  pos_GKSE = jnp.cumsum(mask_GKSE.reshape(G, K * S, E), axis=1).reshape(G, K, S, E) - 1
-  keep_GKSE = (mask_GKSE > 0) & (pos_GKSE < C)
-  slot_GKSEC = jax.nn.one_hot(jnp.where(keep_GKSE, pos_GKSE, C), C, dtype=x_TD.dtype)
-  dispatch_GSEC = jnp.sum(slot_GKSEC, axis=1)
-  w_GKS = weights_TK.reshape(G, S, K).transpose(0, 2, 1).astype(x_TD.dtype)
-  combine_GSEC = jnp.einsum("gks,gksec->gsec", w_GKS, slot_GKSEC)
-  xe_EGCD = jax.lax.with_sharding_constraint(
-      jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_GSD), by_expert)
+  pos_NMKSE = jnp.cumsum(mask_NMKSE.reshape(N, M, K * S, E), axis=2).reshape(
+      N, M, K, S, E) - 1
+  keep_NMKSE = (mask_NMKSE > 0) & (pos_NMKSE < C)
+  slot_NMKSEC = jax.nn.one_hot(jnp.where(keep_NMKSE, pos_NMKSE, C), C, dtype=x_TD.dtype)
+  dispatch_NMSEC = jnp.sum(slot_NMKSEC, axis=2)
+  w_NMKS = weights_TK.reshape(N, M, S, K).transpose(0, 1, 3, 2).astype(x_TD.dtype)
+  combine_NMSEC = jnp.einsum("nmks,nmksec->nmsec", w_NMKS, slot_NMKSEC)
+  xe_ENMCD = jax.lax.with_sharding_constraint(
+      jnp.einsum("nmsec,nmsd->enmcd", dispatch_NMSEC, x_NMSD), by_expert)
   if isinstance(ffn, ms.SwiGLU):
-    h = jax.nn.silu(jnp.einsum("egcd,edf->egcf", xe_EGCD, ffn.gate_EDF.astype(x_TD.dtype)))
-    h = h * jnp.einsum("egcd,edf->egcf", xe_EGCD, ffn.up_EDF.astype(x_TD.dtype))
-    ye_EGCF = jnp.einsum("egcf,efd->egcd", h, ffn.down_EFD.astype(x_TD.dtype))
+    h = jax.nn.silu(jnp.einsum("enmcd,edf->enmcf", xe_ENMCD,
+                               ffn.gate_EDF.astype(x_TD.dtype)))
+    h = h * jnp.einsum("enmcd,edf->enmcf", xe_ENMCD, ffn.up_EDF.astype(x_TD.dtype))
+    ye_ENMCF = jnp.einsum("enmcf,efd->enmcd", h, ffn.down_EFD.astype(x_TD.dtype))
   else:
-    ye_EGCF = jnp.einsum("egcd,edf->egcf", xe_EGCD, ffn.w_EDF.astype(x_TD.dtype))
-  ye_EGCF = jax.lax.with_sharding_constraint(ye_EGCF, by_expert)
-  y_GSF = jax.lax.with_sharding_constraint(
-      jnp.einsum("gsec,egcf->gsf", combine_GSEC, ye_EGCF), groups)
-  dropped = jnp.sum((mask_GKSE > 0) & ~keep_GKSE, dtype=jnp.int32)
-  return y_GSF.reshape(T, -1), dropped
+    ye_ENMCF = jnp.einsum("enmcd,edf->enmcf", xe_ENMCD, ffn.w_EDF.astype(x_TD.dtype))
+  ye_ENMCF = jax.lax.with_sharding_constraint(ye_ENMCF, by_expert)
+  y_NMSF = jax.lax.with_sharding_constraint(
+      jnp.einsum("nmsec,enmcf->nmsf", combine_NMSEC, ye_ENMCF), groups)
+  dropped = jnp.sum((mask_NMKSE > 0) & ~keep_NMKSE, dtype=jnp.int32)
+  return y_NMSF.reshape(T, -1), dropped
 
 
 def gshard_layer(params, x_BSD, cfg, mesh, capacity_factor):
-  """The layer around `gshard_moe`: router, top-k, aux losses, dispatch; (y_BSD, aux)."""
+  """The layer around `gshard_moe`: the layer's own routing and aux losses, then the einsum
+  dispatch; (y_BSD, aux)."""
   B, S, D = x_BSD.shape
   x_TD = x_BSD.reshape(B * S, D)
-  logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), params.router_DE)
-  routing = ms.top_k_routing(logits_TE, cfg.top_k)
+  logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
+                         params.router_DE.astype(jnp.float32))
+  routing = layer_lib.route(logits_TE, cfg, mesh)
   y_TD, dropped = gshard_moe(x_TD, params.experts, routing.experts_TK, routing.weights_TK,
                              mesh=mesh, capacity_factor=capacity_factor)
   aux_loss = (cfg.load_balance_coef * ms.load_balancing_loss(routing)

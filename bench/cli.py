@@ -33,6 +33,8 @@ import re
 import sys
 import time
 
+from bench import IMPLS, LEVELS, MODES, ROUTINGS
+
 PRESETS = {
     "default": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8",
                     routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
@@ -78,7 +80,7 @@ def parser():
   p.add_argument("--routing", help="comma-separated from uniform, zipf, hot_expert, "
                                    "one_device")
   p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent (default 1.2)")
-  p.add_argument("--impls", help="comma-separated from " + ", ".join(_impls()))
+  p.add_argument("--impls", help="comma-separated from " + ", ".join(IMPLS))
   p.add_argument("--levels", help="comma-separated from layer, kernel")
   p.add_argument("--modes", help="comma-separated from fwd, fwd_bwd")
   p.add_argument("--repeats", type=int, help="timed runs per program after a warm-up")
@@ -99,11 +101,6 @@ def parser():
                       "and plot of a results file written before")
   distributed.add_arguments(p)
   return p
-
-
-def _impls():
-  return ("all_to_all", "all_gather", "jit_ragged_dot", "jit_masked_scan",
-          "jit_gshard_einsum")
 
 
 def _list(value, allowed, what):
@@ -140,16 +137,17 @@ def settings(a):
   if s["repeats"] < (0 if a.tpu else 1):
     raise UsageError(f"--repeats must be >= 1 (got {s['repeats']})")
   s["experts"] = _ints(str(s["experts"]), "--experts")
-  s["routing"] = _list(s["routing"], ("uniform", "zipf", "hot_expert", "one_device"),
-                       "routing")
-  s["levels"] = _list(s["levels"], ("layer", "kernel"), "level")
-  s["modes"] = _list(s["modes"], ("fwd", "fwd_bwd"), "mode")
-  s["impls"] = _list(a.impls or ",".join(_impls()), _impls(), "impl")
+  s["routing"] = _list(s["routing"], ROUTINGS, "routing")
+  s["levels"] = _list(s["levels"], LEVELS, "level")
+  s["modes"] = _list(s["modes"], MODES, "mode")
+  s["impls"] = _list(a.impls or ",".join(IMPLS), IMPLS, "impl")
   s["dtype"] = a.dtype or ("bfloat16" if a.tpu else "float32")
   if a.capacity_factor <= 0:
     raise UsageError(f"--capacity-factor must be > 0 (got {a.capacity_factor})")
   if a.chunk_size is not None and a.chunk_size < 1:
     raise UsageError(f"--chunk-size must be >= 1 (got {a.chunk_size})")
+  if a.num_processes < 1:
+    raise UsageError(f"--num-processes must be >= 1 (got {a.num_processes})")
   if a.devices is not None and a.devices < 1:
     raise UsageError(f"--devices must be >= 1 (got {a.devices})")
   if a.mesh is not None:
@@ -261,8 +259,18 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
       trips = progs.trip_counts(case, impl, on_tpu=bool(tpu_topology))
       for mode in s["modes"]:
         args = case.args
+        base = dict(level=level, impl=impl, E=E, routing=routing, mode=mode, T=size.T,
+                    D=size.D, F=size.F, K=size.K, dtype=size.dtype, mesh=mesh_name,
+                    devices=mesh.size, **({"topology": tpu_topology} if tpu_topology else {}))
         t0 = time.perf_counter()
-        compiled = fns[mode].lower(*args).compile()
+        try:
+          compiled = fns[mode].lower(*args).compile()
+        except Exception as err:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED: does not fit
+          case_rows.append(dict(base, error=_one_line(err)))
+          bar.step(f"failed {level} E={E} {routing} {impl} {mode}")
+          if tpu_topology:
+            bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
+          continue
         compile_s = time.perf_counter() - t0
         bar.step(f"compiled {level} E={E} {routing} {impl} {mode}")
         passes = 1 if mode == "fwd" else 3
@@ -271,20 +279,19 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         coll = measure.collective_bytes(compiled, trips[0])
         wire = sum(c["wire_bytes"] for c in coll.values())
         bound = case.bound_bytes * (1 if mode == "fwd" else 2)
-        row = dict(level=level, impl=impl, E=E, routing=routing, mode=mode, T=size.T,
-                   D=size.D, F=size.F, K=size.K, dtype=size.dtype, mesh=mesh_name,
-                   devices=mesh.size, compile_s=compile_s,
+        routing_bound = progs.routing_bound_bytes(case) * (1 if mode == "fwd" else 2)
+        row = dict(base, compile_s=compile_s,
                    routed_flops=case.routed_flops * passes,
                    executed_flops=executed,
                    flops_ratio=executed / (case.routed_flops * passes),
                    wire_bytes=wire,
                    bytes_over_bound=wire / bound if bound else None,
+                   bytes_over_routing_bound=wire / routing_bound if routing_bound else None,
                    collectives={k: c["wire_bytes"] for k, c in coll.items()},
                    temp_bytes=measure.memory_bytes(compiled)["temp"],
                    rounds=rounds if impl == "all_to_all" else None, dropped=dropped)
         if tpu_topology:
-          row.update(tpu.estimates(compiled, busiest, wire, tpu_topology),
-                     topology=tpu_topology)
+          row.update(tpu.estimates(compiled, busiest, wire, tpu_topology))
           bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
         else:
           timed.append((compiled, args, row))
@@ -301,6 +308,12 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
       bar.step(f"checked {level} E={E} {routing}")
     rows += case_rows
   return rows
+
+
+def _one_line(err):
+  """The first line of an exception's message, with its type."""
+  text = str(err).strip().splitlines()
+  return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _executed_flops(compiled, trips):
@@ -356,15 +369,21 @@ def table(rows):
   tpu = any("topology" in r for r in rows)
   if tpu:
     head = ("| level | E | routing | mode | impl | XLA est. ms | XLA est. ms, loops scaled | "
-            "roofline ms (compute/HBM/ICI) | flops x | MiB/dev | x bound | HBM temp MiB | "
+            "roofline ms (compute/HBM/ICI) | flops x | MiB/dev | x bound (uniform/routing) | "
+            "HBM temp MiB | "
             "rounds | dropped | compile s |")
   else:
     head = ("| level | E | routing | mode | impl | median ms (min-max) | GFLOP/s | flops x | "
-            "MiB/dev | x bound | temp MiB | rounds | dropped | max err | compile s |")
+            "MiB/dev | x bound (uniform/routing) | temp MiB | rounds | dropped | max err | "
+            "compile s |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     common = (f"| {r['level']} | {r['E']} | {r['routing']} | {r['mode']} | {r['impl']} ")
-    bound = f"{r['bytes_over_bound']:.2f}" if r["bytes_over_bound"] is not None else "-"
+    if "error" in r:
+      out.append(common + f"| did not compile: {r['error']} |" + " |" * (head.count("|") - 7))
+      continue
+    bound = "/".join(f"{r[k]:.2f}" if r.get(k) is not None else "-"
+                     for k in ("bytes_over_bound", "bytes_over_routing_bound"))
     tail = (f"| {r['flops_ratio']:.2f} | {r['wire_bytes'] / 2**20:.2f} | {bound} | "
             f"{r['temp_bytes'] / 2**20:.1f} | {r['rounds'] if r['rounds'] else '-'} | "
             f"{r['dropped']} ")
@@ -384,15 +403,16 @@ def table(rows):
 def headline(rows):
   """all_to_all against the best jit-only version of each case: time and bytes."""
   tpu = any("topology" in r for r in rows)
-  key = ("roofline_s" if all("roofline_s" in r for r in rows) else "xla_optimal_scaled_s"
-         ) if tpu else None
+  key = ("roofline_s" if all("roofline_s" in r for r in rows if "error" not in r)
+         else "xla_optimal_scaled_s") if tpu else None
 
   def seconds(r):
     return r[key] if key else r["time_s"]["median"]
 
   groups = {}
   for r in rows:
-    groups.setdefault((r["level"], r["E"], r["routing"], r["mode"]), []).append(r)
+    if "error" not in r:
+      groups.setdefault((r["level"], r["E"], r["routing"], r["mode"]), []).append(r)
   lines = []
   for (level, E, routing, mode), rs in groups.items():
     a2a = [r for r in rs if r["impl"] == "all_to_all"]
@@ -404,13 +424,13 @@ def headline(rows):
     light = min(jit, key=lambda r: r["wire_bytes"])
     if timed and seconds(a2a) is not None:
       fast = min(timed, key=seconds)
-      speed = (f"{fast['impl']} {_ms(seconds(fast))} | "
+      speed = (f"{_named(fast)} {_ms(seconds(fast))} | "
                f"{seconds(fast) / seconds(a2a):.1f}x")
     else:
       speed = "n/a | n/a"
     lines.append(
         f"| {level} | {E} | {routing} | {mode} | {_ms(seconds(a2a))} | {speed} | "
-        f"{a2a['wire_bytes'] / 2**20:.2f} | {light['impl']} {light['wire_bytes'] / 2**20:.2f} "
+        f"{a2a['wire_bytes'] / 2**20:.2f} | {_named(light)} {light['wire_bytes'] / 2**20:.2f} "
         f"| {light['wire_bytes'] / max(a2a['wire_bytes'], 1):.2f}x |")
   if not lines:
     return ""
@@ -421,6 +441,11 @@ def headline(rows):
           "all_to_all MiB/dev | fewest-bytes jit-only MiB/dev | bytes ratio |\n"
           "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) +
           f"\n\n(times: {what}; bytes ratio: the jit-only version's bytes over all_to_all's)\n")
+
+
+def _named(row):
+  """The impl's name, with the items it dropped when it dropped some."""
+  return row["impl"] + (f" (drops {row['dropped']})" if row.get("dropped") else "")
 
 
 def markdown(rows, info, argv, s):
@@ -441,9 +466,9 @@ def markdown(rows, info, argv, s):
 CSV_FIELDS = ("level", "impl", "E", "routing", "mode", "T", "D", "F", "K", "dtype", "mesh",
               "devices", "time_median_s", "time_min_s", "time_max_s", "compile_s", "gflops",
               "routed_flops", "executed_flops", "flops_ratio", "wire_bytes",
-              "bytes_over_bound", "temp_bytes", "rounds", "dropped", "max_abs_err",
+              "bytes_over_bound", "bytes_over_routing_bound", "temp_bytes", "rounds", "dropped", "max_abs_err",
               "topology", "xla_optimal_s", "xla_optimal_scaled_s", "roofline_s",
-              "compute_s", "hbm_s", "ici_s")
+              "compute_s", "hbm_s", "ici_s", "error")
 
 
 def to_csv(rows):
@@ -466,6 +491,7 @@ def plot(rows, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   tpu = any("topology" in r for r in rows)
+  rows = [r for r in rows if "error" not in r]
   panels = list(dict.fromkeys((r["level"], r["mode"]) for r in rows))
   impls = list(dict.fromkeys(r["impl"] for r in rows))
   fig, axes = plt.subplots(2, len(panels), figsize=(min(5 * len(panels), 22), 7.5),
@@ -553,9 +579,9 @@ def _main(argv):
     try:
       with open(a.from_json) as f:
         saved = json.load(f)
-    except (OSError, ValueError) as err:
-      raise UsageError(f"--from-json {a.from_json}: {err}") from None
-    rows = saved["rows"]
+      rows = saved["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+      raise UsageError(f"--from-json {a.from_json}: not a results file ({err!r})") from None
     print(headline(rows))
     print(table(rows))
     a.json = None  # the file itself stays as it was

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-ROUTINGS = ("uniform", "zipf", "hot_expert", "one_device")
+from bench import ROUTINGS
 
 
 def machine_info():
@@ -111,34 +109,3 @@ def synthetic_routing(routing, tokens, num_experts, k, *, num_devices=8, zipf_s=
   weights = rng.random((tokens, k)) + 0.1
   weights /= weights.sum(axis=1, keepdims=True)
   return experts.astype(np.int32), weights.astype(np.float32)
-
-
-def write_results(path_stem, rows, markdown, info, argv):
-  """Writes `<stem>.json` (rows + machine) and `<stem>.md` (the table); returns the paths."""
-  os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
-  with open(path_stem + ".json", "w") as f:
-    json.dump({"machine": info, "argv": argv, "rows": rows}, f, indent=1)
-  with open(path_stem + ".md", "w") as f:
-    f.write(markdown)
-  return path_stem + ".json", path_stem + ".md"
-
-
-def make_mesh(spec):
-  """Builds an Auto ("expert", "data") mesh from "NxM" over the first N*M devices.
-
-  Raises:
-    ValueError: `spec` is not "NxM", or needs more devices than JAX found.
-  """
-  try:
-    n_e, n_d = (int(v) for v in spec.split("x"))
-  except ValueError:
-    raise ValueError(f"mesh must be EXPERTxDATA, e.g. 8x1 (got {spec!r})") from None
-  if n_e * n_d > len(jax.devices()):
-    raise ValueError(f"mesh {spec} needs {n_e * n_d} devices, found {len(jax.devices())}")
-  return jax.make_mesh((n_e, n_d), ("expert", "data"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2,
-                       devices=jax.devices()[:n_e * n_d])
-
-
-def dtype_bytes(dtype):
-  return jnp.dtype(dtype).itemsize

@@ -36,12 +36,8 @@ from moe_shard import layer as layer_lib
 from moe_shard import plan as plan_lib
 from moe_shard.parallel import OVERFLOW_SCOPE
 
-from bench import baselines, common
+from bench import IMPLS, baselines, common
 
-IMPLS = ("all_to_all", "all_gather", "jit_ragged_dot", "jit_masked_scan", "jit_gshard_einsum")
-SHARD_MAP_IMPLS = ("all_to_all", "all_gather")
-LEVELS = ("layer", "kernel")
-MODES = ("fwd", "fwd_bwd")
 _LAYER_IMPL = {"all_to_all": "all_to_all", "all_gather": "all_gather",
                "jit_ragged_dot": "ragged_dot", "jit_masked_scan": "masked_scan"}
 
@@ -92,8 +88,9 @@ def check_combination(size, E, mesh, level):
     raise ValueError(f"top-k ({size.K}) must be <= experts ({E})")
   if size.T % mesh.size:
     raise ValueError(f"tokens ({size.T}) must be divisible by the mesh size ({mesh.size})")
-  if level == "kernel" and size.D <= 1:
-    raise ValueError(f"d_model must be >= 2 (got {size.D})")
+  if level == "layer" and size.D < 2:
+    raise ValueError(f"d_model must be >= 2 at layer level, where feature 0 carries the "
+                     f"routing skew (got {size.D})")
 
 
 def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
@@ -114,12 +111,15 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     a = np.asarray(a).astype(dt)  # every process holds it whole and places only its shards
     return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
+  def draw(*shape, scale=1.0):  # values only for a run; a compile needs just the shape
+    if abstract:
+      return jax.ShapeDtypeStruct(shape, np.float32)
+    return rng.standard_normal(shape, np.float32) * np.float32(scale)
+
   if level == "kernel":
     experts, weights = common.synthetic_routing(routing, T, E, K, num_devices=N,
                                                 zipf_s=size.zipf_s, seed=seed)
-    x = rng.standard_normal((T, D), np.float32)
-    w = (rng.standard_normal((E, D, F), np.float32) / np.sqrt(D))
-    dy = rng.standard_normal((T, F), np.float32)
+    x, w, dy = draw(T, D), draw(E, D, F, scale=1 / np.sqrt(D)), draw(T, F)
     exp = NamedSharding(mesh, P(ms.EXPERT))
     args = (put(x, tok, dtype), put(w, exp, dtype), put(experts, tok), put(weights, tok),
             put(dy, tok, dtype))
@@ -142,14 +142,14 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
         lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)),
         shapes, specs)
     params = dataclasses.replace(params, router_DE=put(router, rep))
-    logits = x.reshape(T, D) @ router
+    # What the compiled program routes: x rounded to its dtype, the router in float32.
+    logits = np.asarray(x.reshape(T, D).astype(dtype), np.float32) @ router
     experts = np.argsort(-logits, axis=1, kind="stable")[:, :K].astype(np.int32)
   else:
     params = ms.init_moe_params(jax.random.key(seed), cfg, mesh=mesh)
     params = dataclasses.replace(params, router_DE=put(router, rep, np.float32))
     experts = _layer_routing(params, put(x, tok, dtype), cfg, mesh)
-  dy = rng.standard_normal((B, T // B, D), np.float32)
-  args = (params, put(x, tok, dtype), put(dy, tok, dtype))
+  args = (params, put(x, tok, dtype), put(draw(B, T // B, D), tok, dtype))
   routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * K
   return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg)
 
@@ -232,17 +232,31 @@ def rounds_and_dropped(case, impl):
     chunks = plan_lib.default_chunks(T // case.mesh.size, K, N, case.size.chunk_size)
     queues = load.reshape(load.shape[0], N, -1).sum(axis=2)
     return int(chunks.rounds(int(queues.max()))), 0
-  if impl == "jit_gshard_einsum":
-    G = case.mesh.size
-    C = baselines.capacity(T // G, K, case.E, case.size.capacity_factor)
-    dropped = 0
-    for row in case.experts_TK.reshape(G, T // G, K).transpose(0, 2, 1).reshape(G, -1):
-      row = row[(row >= 0) & (row < case.E)]  # slot-major queue order
-      ranked = np.sort(row, kind="stable")
-      pos = np.arange(len(ranked)) - np.searchsorted(ranked, ranked)  # place in its queue
-      dropped += int(np.sum(pos >= C))
-    return 1, dropped
+  if impl == "jit_gshard_einsum":  # each device's tokens are a group; C slots per expert
+    C = baselines.capacity(T // case.mesh.size, K, case.E, case.size.capacity_factor)
+    return 1, int(np.maximum(_device_loads(case) - C, 0).sum())
   return 1, 0
+
+
+def routing_bound_bytes(case):
+  """Bytes the busiest device must send, forward, when tokens move to their experts.
+
+  Device d sends D-wide rows of its items bound for other devices' experts and returns
+  F_out-wide outputs of the items other devices send to its experts: the least any
+  dropless token-moving dispatch of this routing sends from d. Equals `bound_bytes` on
+  average under uniform routing; skew raises it.
+  """
+  mesh = case.mesh
+  N = mesh.shape[ms.EXPERT]
+  M = mesh.size // N
+  L = case.E // N
+  f_out = case.size.F if case.level == "kernel" else case.size.D
+  load = _device_loads(case).reshape(N, M, N, L).sum(axis=3)  # [e_src, m, e_dst]
+  own = np.eye(N, dtype=bool)[:, None, :]
+  sent = np.where(own, 0, load).sum(axis=2)  # [e, m] items leaving device (e, m)
+  returned = np.where(own, 0, load).sum(axis=0).T  # [e, m] items others send to (e, m)
+  b = jnp.dtype(case.size.dtype).itemsize
+  return float(np.max(sent * case.size.D + returned * f_out) * b)
 
 
 def _device_loads(case):
@@ -299,16 +313,16 @@ def trip_counts(case, impl, on_tpu=False):
         add(dst, loop_trip_counts(sizes, N * C), "" if r == 0 else OVERFLOW_SCOPE + "/")
     for d in range(n_dev):
       out[d][OVERFLOW_SCOPE] = rounds - 1
+      # The loops inside the overflow loop run 0 times when it never runs.
+      add(d, dict.fromkeys(loop_trip_counts(np.zeros(L, int), N * chunks.overflow), 0),
+          OVERFLOW_SCOPE + "/")
   elif impl == "all_gather":
     for dst in range(n_dev):
       e_dst, m = divmod(dst, M)
       srcs = [e_src * M + m for e_src in range(N)]
       sizes = load[srcs][:, e_dst * L:(e_dst + 1) * L].sum(axis=0)
       add(dst, loop_trip_counts(sizes, N * T_dev * K))
-  elif impl == "jit_masked_scan":  # a scan over the E experts (TPU HLO has no trip count)
-    for d in range(n_dev):
-      out[d]["moe_masked_scan"] = case.E
-  elif impl == "jit_masked_scan":  # a scan over the E experts (TPU HLO has no trip count)
+  elif impl == "jit_masked_scan":  # a scan over the E experts
     for d in range(n_dev):
       out[d]["moe_masked_scan"] = case.E
   elif impl == "jit_ragged_dot":

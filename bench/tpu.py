@@ -8,8 +8,6 @@ build the real TPU program. Nothing runs: every figure from it is an estimate.
 
 from __future__ import annotations
 
-import numpy as np
-
 # Published per-chip peaks (bf16 FLOP/s, HBM bytes/s, ICI bytes/s sent per chip = half the
 # bidirectional figure). Sources: Cloud TPU system architecture pages,
 # https://cloud.google.com/tpu/docs/v5e ("Peak compute per chip (bf16) 197 TFLOPs",
@@ -48,11 +46,6 @@ def devices(topology):
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     raise ValueError(f"--tpu {topology}: cannot describe this topology ({first})") from None
   return list(topo.devices)
-
-
-def mesh_devices(devs, n_expert, n_data):
-  """Arranges the abstract devices as an (expert, data) grid, in their order."""
-  return np.array(devs[:n_expert * n_data], dtype=object).reshape(n_expert, n_data)
 
 
 def estimates(compiled, flops, wire_bytes, topology):
