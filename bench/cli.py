@@ -36,8 +36,11 @@ import time
 from bench import IMPLS, LEVELS, MODES, ROUTINGS
 
 PRESETS = {
+    # jit_ragged_dot is left out of the default (XLA replicates its work on every device:
+    # 8x the FLOPs and 3x the time of the next slowest); --impls or --sweep include it.
     "default": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8",
-                    routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
+                    routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2,
+                    impls="all_to_all,all_gather,jit_masked_scan,jit_gshard_einsum"),
     "quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
                   routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
     "sweep": dict(tokens=4096, d_model=256, d_ff=512, top_k=2, experts="8,64",
@@ -140,7 +143,7 @@ def settings(a):
   s["routing"] = _list(s["routing"], ROUTINGS, "routing")
   s["levels"] = _list(s["levels"], LEVELS, "level")
   s["modes"] = _list(s["modes"], MODES, "mode")
-  s["impls"] = _list(a.impls or ",".join(IMPLS), IMPLS, "impl")
+  s["impls"] = _list(a.impls or s.get("impls") or ",".join(IMPLS), IMPLS, "impl")
   s["dtype"] = a.dtype or ("bfloat16" if a.tpu else "float32")
   if a.capacity_factor <= 0:
     raise UsageError(f"--capacity-factor must be > 0 (got {a.capacity_factor})")
