@@ -233,3 +233,20 @@ def test_unknown_tpu_topology_is_a_usage_error(capsys):
   pytest.importorskip("libtpu")
   assert cli.main(["--tpu", "v99:1x1", "--no-progress"]) == 2
   assert "v99:1x1" in capsys.readouterr().err
+
+
+def test_a_loop_without_trip_count_is_counted_once_and_flagged():
+  def measured(compiled, trips, default_trip_count=None):
+    if default_trip_count is None:
+      raise ValueError("measure: while loop while.1 has no known trip count")
+    return {"executed": 10.0 * default_trip_count}
+
+  assert cli._counted(measured, None, {}) == {"executed": 10.0, "loop_counted_once": True}
+  assert cli._counted(lambda c, t: {"executed": 3.0}, None, {}) == {"executed": 3.0}
+  row = dict(level="kernel", impl="jit_gshard_einsum", E=8, routing="uniform", mode="fwd",
+             flops_ratio=1.5, wire_bytes=2**20, bytes_over_bound=1.0,
+             bytes_over_routing_bound=1.0, temp_bytes=0, rounds=None, dropped=0,
+             time_s={"median": 0.1, "min": 0.1, "max": 0.1}, gflops=1.0, compile_s=1.0,
+             loop_counted_once=True)
+  text = cli.table([row])
+  assert "| 1.50* | 1.00* |" in text and "counted once" in text
