@@ -143,7 +143,8 @@ def test_benchmark_cli_across_processes(tmp_path):
     assert code == 0, f"process {i} exit code {code}\n{_log(tmp_path, i)}"
   out0 = (tmp_path / "out0.txt").read_text()
   assert "8 cpu devices, 2 process(es)" in out0 and "| all_to_all |" in out0
-  assert (tmp_path / "out1.txt").read_text() == ""  # only process 0 prints ...
+  out1 = (tmp_path / "out1.txt").read_text()  # gloo itself may print "[Gloo] ..." lines
+  assert "moe_shard benchmark" not in out1 and "|" not in out1  # only process 0 prints ...
   assert not list(tmp_path.glob("process1.*"))  # ... and writes
   rows = json.load(open(tmp_path / "process0.json"))["rows"]
   a2a = next(r for r in rows if r["impl"] == "all_to_all")
