@@ -280,7 +280,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         executed, busiest = _executed_flops(compiled, trips)
         # Every device sends the same slots in every round: device 0's counts serve.
         coll = _counted(measure.collective_bytes, compiled, trips[0])
-        approx = bool(busiest.get("loop_counted_once") or coll.pop("loop_counted_once", 0))
+        approx = bool(coll.pop("loop_counted_once", False) or busiest.get("loop_counted_once"))
         wire = sum(c["wire_bytes"] for c in coll.values())
         bound = case.bound_bytes * (1 if mode == "fwd" else 2)
         routing_bound = progs.routing_bound_bytes(case) * (1 if mode == "fwd" else 2)
