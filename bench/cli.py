@@ -235,7 +235,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   """Measures every (level, E, routing) case; returns the rows."""
   from bench import common, tpu
   from bench import programs as progs
-  from moe_shard import measure
+  from bench import measure
 
   size = progs.Size(T=s["tokens"], D=s["d_model"], F=s["d_ff"], K=s["top_k"],
                     dtype=s["dtype"], capacity_factor=a.capacity_factor, zipf_s=a.zipf_s,
@@ -334,7 +334,7 @@ def _counted(fn, compiled, trips):
 def _executed_flops(compiled, trips):
   """(FLOPs executed summed over devices, `executed_flops` of the busiest device), from
   each device's trip counts (devices with equal counts share one evaluation)."""
-  from moe_shard import measure
+  from bench import measure
   by_counts = {}
   for t in trips:
     key = tuple(sorted(t.items()))

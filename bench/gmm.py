@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_shard import measure
+from bench import measure
 
 from bench import common
 

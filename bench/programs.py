@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from moe_shard.grouped_matmul import loop_trip_counts
+from bench.accounting import loop_trip_counts
 from moe_shard import layer as layer_lib
 from moe_shard import plan as plan_lib
 from moe_shard.parallel import OVERFLOW_SCOPE

@@ -10,27 +10,40 @@ Shape letters (array names carry them as a suffix, e.g. `x_TD`, `experts_TK`):
     C  chunk or capacity          N  devices on the expert axis
     B  batch                      S  sequence
     M  rows of a grouped matmul   G  groups of a grouped matmul
+    I  (token, slot) items, T*K   Q  rows of a padded buffer (gmm_tiled)
 
 Inside a `shard_map` body the letters are per-device sizes.
+
+Three tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py) and the
+grouped-matmul `BACKENDS` (grouped_matmul.py).
 """
 
+from moe_shard.config import MoEConfig, capacity
+from moe_shard.dispatch import DISPATCHES, Dispatch, choose_impl
 from moe_shard.experts import Linear, SwiGLU
-from moe_shard.grouped_matmul import grouped_matmul
-from moe_shard.layer import (MoEConfig, MoEParams, choose_impl, drop_over_capacity,
-                             init_moe_params, moe_layer, moe_param_shapes, moe_param_specs)
+from moe_shard.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
+from moe_shard.layer import (MoEParams, init_moe_params, moe_layer, moe_param_shapes,
+                             moe_param_specs)
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
-from moe_shard.parallel import DATA, EXPERT, moe_all_gather, moe_all_to_all
-from moe_shard.routing import (Routing, expert_load, load_balancing_loss, router_z_loss,
-                               top_k_routing)
+from moe_shard.parallel import moe_all_gather, moe_all_to_all
+from moe_shard.routing import (ROUTERS, Routing, drop_over_capacity, expert_load,
+                               load_balancing_loss, router_z_loss, top_k_routing)
+from moe_shard.sharding import DATA, EXPERT
 
 __all__ = [
+    "BACKENDS",
     "DATA",
+    "DISPATCHES",
+    "Dispatch",
     "EXPERT",
     "Linear",
     "MoEConfig",
     "MoEParams",
+    "PLATFORM_BACKENDS",
+    "ROUTERS",
     "Routing",
     "SwiGLU",
+    "capacity",
     "choose_impl",
     "drop_over_capacity",
     "expert_load",

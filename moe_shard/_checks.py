@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,3 +57,78 @@ def int_in_range(fn, name, value, lo, hi):
 def divisible(fn, what, value, by_what, by):
   if value % by:
     raise ValueError(f"{fn}: {what} ({value}) must be divisible by {by_what} ({by})")
+
+
+# --------------------------------------------------------------------------- config fields
+# Every static argument (a MoEConfig field, a keyword of a public function) is checked here,
+# with the same template: `fn: name must be rule (got value)`.
+
+
+def _error(kind, fn, name, rule, value):
+  return kind(f"{fn}: {name} must be {rule} (got {value!r})")
+
+
+def is_int(value):
+  """True for a Python or NumPy integer that is not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def int_field(fn, name, value, lo):
+  """Returns `value` as an int, raising TypeError (not an int) or ValueError (below lo)."""
+  if not is_int(value):
+    raise _error(TypeError, fn, name, "an int", value)
+  if value < lo:
+    raise _error(ValueError, fn, name, f">= {lo}", value)
+  return int(value)
+
+
+def real_field(fn, name, value, *, positive):
+  """Returns `value` as a finite float, > 0 when `positive`, else >= 0."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise _error(TypeError, fn, name, "a real number", value)
+  if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+    raise _error(ValueError, fn, name, "finite and > 0" if positive else "finite and >= 0",
+                 value)
+  return float(value)
+
+
+def dtype_field(fn, name, value):
+  """Returns `value` as a floating-point `jnp.dtype`."""
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as e:
+    raise _error(TypeError, fn, name, "a dtype", value) from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise _error(ValueError, fn, name, "a floating-point dtype", value)
+  return dtype
+
+
+def choice_field(fn, name, value, allowed):
+  """Checks that `value` is one of `allowed` (a tuple of names)."""
+  if isinstance(value, str) and value in allowed:
+    return value
+  raise _error(ValueError, fn, name, f"one of {tuple(allowed)}", value)
+
+
+def bool_field(fn, name, value):
+  if not isinstance(value, bool):
+    raise _error(TypeError, fn, name, "a bool", value)
+  return value
+
+
+CHUNK_RULE = "None, an int >= 1 or a pair of ints >= 1"
+
+
+def chunk_size_field(fn, value):
+  """Returns the all_to_all chunk size as None or a hashable pair (C_first, C_overflow).
+
+  An int C means (C, C). The one rule for `chunk_size` wherever it is passed.
+  """
+  if value is None:
+    return None
+  pair = (value, value) if is_int(value) else value
+  if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(is_int, pair)):
+    raise _error(TypeError, fn, "chunk_size", CHUNK_RULE, value)
+  if min(pair) < 1:
+    raise _error(ValueError, fn, "chunk_size", CHUNK_RULE, value)
+  return int(pair[0]), int(pair[1])

@@ -3,390 +3,47 @@
     y[m] = x[m] @ w[g(m)]   for m < sum(group_sizes), where rows of group g are contiguous
     y[m] = 0                for m >= sum(group_sizes)
 
-Two implementations:
+`BACKENDS` is the table of implementations, each `(x_MD, w_GDF, group_sizes_G, *, max_tile,
+min_tile) -> f32[M, F]`, differentiable in x and w, doing only the routed FLOPs where it can:
 
-  * "ragged_dot": `lax.ragged_dot`. A native grouped matmul on TPU; on CPU (and by default
-    on GPU) XLA lowers it to a masked dense product over all G groups: G times the routed
-    FLOPs and a `[G, M, ...]` temporary.
-  * "tiled": only the routed FLOPs (plus bounded padding), for any G and any group sizes,
-    with static shapes and no host sync.
+  * "tiled" (`gmm_tiled.py`): power-of-two row tiles in group-major `while_loop`s, routed
+    FLOPs plus bounded padding, forward and backward, on any platform. The CPU backend.
+  * "ragged_dot": `lax.ragged_dot`. Native on TPU (forward); on CPU (and by default on GPU)
+    XLA lowers it to a masked dense product over all G groups: G times the routed FLOPs and
+    a `[G, M, ...]` temporary. On TPU its weight gradient is such a dense product too.
 
-How "tiled" works. Tile sizes are powers of two t_0 > t_1 > ... > t_{L-1} (`tile_sizes`).
-Group g (rows [off_g, end_g)) is cut into floor(s_g / t_0) tiles of the largest size, then
-one tile of size t_i for each set bit of the remainder, then one masked tile of the
-smallest size for the rows left (`tile_schedule`). Rows computed <= M + G * (t_{L-1} - 1).
-The default smallest tile (`default_tiles`) is 32 rows, lowered until G * (t_{L-1} - 1) is
-at most M / 4: on XLA:CPU every tile is one dot call that repacks the group's [D, F]
-matrix, so a few masked rows cost less than more, smaller calls.
-
-The loops are group-major: an outer `while_loop` over the non-empty groups copies w[g] out
-of w_GDF once, and inside it one `while_loop` per tile size runs that group's tiles of that
-size (zero, one or two of each small size, many of the largest). So w[g] is read from
-memory once per group, not once per tile, and the number of iterations follows the actual
-group sizes. A tile that would run past the last row is slid back to end there (its extra
-rows are masked), so no input or output is padded (except when M is below the largest tile).
-
-The `custom_vjp` backward is one group-major loop too: per group it copies w[g] once, and
-for each tile writes dx_tile = dy_tile @ w[g]^T and adds x_tile^T @ dy_tile into dw[g] in
-place (one fused read-add-write of [D, F] per tile; a [D, F] accumulator carried over the
-group's tiles measured slower on XLA:CPU: it adds a zero fill and a copy per group). Forward
-and backward both do only the routed FLOPs, plus the same padding.
-
-Every loop runs under a `jax.named_scope` ("gmm_groups", "gmm_tile_<t>") that XLA keeps in
-the HLO, so `measure.executed_flops(compiled, loop_trip_counts(...))` can multiply each
-loop body by its trip count.
-
-Inside `jax.shard_map` (with check_vma), loop carries are created from the inputs
-(`_zeros_varying`) so they vary over the same mesh axes, and an input that does not vary
-(e.g. replicated w) is cast to varying before the custom_vjp (`_match_vma`): its gradient
-then comes back summed over the devices, as for any JAX op.
-
-"auto" picks "ragged_dot" when compiled for TPU and "tiled" elsewhere, by the platform the
-program is compiled for (`lax.platform_dependent`), so an AOT compile for TPU on a CPU host
-takes the TPU path.
+`PLATFORM_BACKENDS` maps a platform to the backend "auto" picks there, through
+`lax.platform_dependent`, so the choice follows the platform the program is compiled for
+(an ahead-of-time TPU compile on a CPU host takes the TPU entry); platforms not listed take
+`DEFAULT_BACKEND`. A new backend is one function and one entry.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moe_shard import _checks
+from moe_shard.gmm_tiled import default_tiles, gmm_tiled, tile_sizes
+from moe_shard.sharding import match_vma
 
-IMPLS = ("auto", "ragged_dot", "tiled")
-DEFAULT_MAX_TILE = 256
-# Smallest tile the default schedule prefers. On XLA:CPU each tile is one dot call, which
-# repacks the group's [D, F] matrix: a fixed cost of roughly 10-40 rows of compute
-# (measured at D=512, F=1024 on 2 cores). A masked last tile wasting up to 31 rows costs
-# about what the extra calls of smaller tiles would.
-PREFERRED_MIN_TILE = 32
-# Worst-case padding allowed by the default min_tile: G * (min_tile - 1) <= PAD_BUDGET * M,
-# so executed FLOPs <= (1 + PAD_BUDGET) x routed whatever the group sizes.
-PAD_BUDGET = 0.25
-# Named scopes of the loops (kept in the HLO metadata), for `loop_trip_counts`.
-GROUP_SCOPE = "gmm_groups"
-TILE_SCOPE = "gmm_tile_"
 
+def tiled(x_MD, w_GDF, group_sizes_G, *, max_tile=None, min_tile=None):
+  """The "tiled" backend (`gmm_tiled`); tile sizes default to `default_tiles(M, G)`."""
+  M, G = x_MD.shape[0], w_GDF.shape[0]
+  tiles = tile_sizes(M, *_tiles_or_default(M, G, max_tile, min_tile))
+  return gmm_tiled(x_MD, w_GDF, group_sizes_G, tiles)
 
-def default_tiles(num_rows, num_groups):
-  """Returns the default (max_tile, min_tile) for M rows in G groups.
 
-  max_tile is 256 (a [256, D] x [D, F] product runs at the speed of one large matmul on
-  XLA:CPU). min_tile is `PREFERRED_MIN_TILE` (32), lowered to the largest power of two with
-  G * (min_tile - 1) <= PAD_BUDGET * M, so that padding never exceeds a quarter of M rows
-  whatever the group sizes (e.g. M=8192: 32 for G <= 66, 16 for G=128, 1 when G > M / 4).
-
-  Args:
-    num_rows: M.
-    num_groups: G.
-
-  Returns:
-    (max_tile, min_tile), powers of two.
-  """
-  min_tile = 1
-  while (min_tile < PREFERRED_MIN_TILE
-         and num_groups * (2 * min_tile - 1) <= PAD_BUDGET * num_rows):
-    min_tile *= 2
-  return DEFAULT_MAX_TILE, min_tile
-
-
-def tile_sizes(num_rows, max_tile, min_tile):
-  """Returns the tile sizes (powers of two, largest first) the tiled kernel uses for M rows.
-
-  Args:
-    num_rows: M.
-    max_tile: largest tile, capped at the power of two >= M (and at least `min_tile`).
-    min_tile: smallest tile.
-
-  Returns:
-    tuple of ints, e.g. (256, 128, 64, 32, 16, 8).
-
-  Raises:
-    TypeError: a tile size that is not an int.
-    ValueError: a tile size that is not a power of two, or min_tile > max_tile.
-  """
-  for name, v in (("max_tile", max_tile), ("min_tile", min_tile)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-      raise TypeError(f"grouped_matmul: {name} must be an int (got {type(v).__name__})")
-    if v < 1 or v & (v - 1):
-      raise ValueError(f"grouped_matmul: {name} must be a power of two (got {v})")
-  if min_tile > max_tile:
-    raise ValueError(f"grouped_matmul: min_tile ({min_tile}) must be <= max_tile "
-                     f"({max_tile})")
-  top = max(min_tile, min(max_tile, 1 << max(0, int(num_rows - 1).bit_length())))
-  sizes = []
-  t = top
-  while t >= min_tile:
-    sizes.append(t)
-    t //= 2
-  return tuple(int(s) for s in sizes)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-  """Where the tiles of each group are, for tile sizes `tiles` (largest first).
-
-  Group g's tiles of size tiles[l] start at rows first_GL[g, l] + j * tiles[l] for
-  j < count_GL[g, l]; its rows end at end_G[g]. `groups` lists the non-empty groups first
-  (`num_groups` of them), so a loop visits only groups that have rows.
-  """
-
-  groups: jax.Array  # i32[G] non-empty groups first
-  num_groups: jax.Array  # i32[] how many groups are non-empty
-  count_GL: jax.Array  # i32[G, L] tiles of each size per group
-  first_GL: jax.Array  # i32[G, L] first row of each size's first tile
-  end_G: jax.Array  # i32[G] one past the last row of each group
-  tiles: tuple = dataclasses.field(metadata=dict(static=True))
-
-
-def tile_schedule(group_sizes_G, num_rows, tiles):
-  """Builds, on device, the tiles of each group.
-
-  Group g (rows [off_g, off_g + s_g)) gets floor(s_g / t_0) tiles of the largest size t_0,
-  then as many tiles of each smaller size as fit in the rows left (for consecutive powers of
-  two: one tile of size t_i for each set bit of the remainder), then one masked tile of the
-  smallest size if rows are left. Only that last tile computes rows that are not the
-  group's, fewer than the smallest size. Rows past M are never assigned to a group.
-
-  Args:
-    group_sizes_G: int[G] rows per group (sum may be < M; larger sums are clipped to M).
-    num_rows: M (static).
-    tiles: tile sizes, powers of two, largest first (static).
-
-  Returns:
-    `Schedule`.
-  """
-  xp = np if isinstance(group_sizes_G, np.ndarray) else jnp
-  gs_G = xp.asarray(group_sizes_G).astype(np.int32)
-  end_G = xp.minimum(xp.cumsum(gs_G), num_rows).astype(np.int32)
-  off_G = xp.concatenate([xp.zeros((1,), np.int32), end_G[:-1]])
-  s_G = xp.maximum(end_G - off_G, 0)
-  done_G = xp.zeros_like(s_G)
-  counts, firsts = [], []
-  for i, t in enumerate(tiles):
-    rem_G = s_G - done_G
-    if i < len(tiles) - 1:
-      n_G = rem_G // t  # with consecutive powers of two: 0 or 1 below the largest size
-    else:  # smallest size: also the final partial (masked) tile
-      n_G = (rem_G + t - 1) // t
-    counts.append(n_G)
-    firsts.append(off_G + done_G)
-    done_G = done_G + t * n_G
-  nonempty_G = s_G > 0
-  groups = xp.argsort(~nonempty_G, stable=True).astype(np.int32)
-  return Schedule(groups=groups, num_groups=xp.sum(nonempty_G).astype(np.int32),
-                  count_GL=xp.stack(counts, axis=1).astype(np.int32),
-                  first_GL=xp.stack(firsts, axis=1).astype(np.int32), end_G=end_G,
-                  tiles=tuple(tiles))
-
-
-def schedule_rows(group_sizes_G, num_rows, tiles=None):
-  """Host-side count of the tile visits the tiled kernel runs (for FLOP accounting).
-
-  Args:
-    group_sizes_G: int[G] (NumPy or concrete array).
-    num_rows: M.
-    tiles: tile sizes, largest first (default: from `default_tiles(M, G)`).
-
-  Returns:
-    dict tile size -> visits; rows computed = sum(tile * visits).
-  """
-  group_sizes_G = np.asarray(group_sizes_G)
-  if tiles is None:
-    tiles = tile_sizes(num_rows, *default_tiles(num_rows, group_sizes_G.shape[0]))
-  sched = tile_schedule(group_sizes_G, num_rows, tuple(tiles))
-  return {t: int(n) for t, n in zip(sched.tiles, sched.count_GL.sum(axis=0))}
-
-
-def loop_trip_counts(group_sizes_G, num_rows, tiles=None):
-  """Host-side total iterations of each loop of the tiled kernel, keyed by named scope.
-
-  The form `measure.executed_flops(compiled, trip_counts=...)` takes: the group loop runs
-  once per non-empty group, the loop of tile size t once per tile of that size. Forward and
-  backward loops share these counts.
-
-  Args:
-    group_sizes_G: int[G] (NumPy or concrete array).
-    num_rows: M.
-    tiles: tile sizes, largest first (default: from `default_tiles(M, G)`).
-
-  Returns:
-    {"gmm_groups": non-empty groups, "gmm_tile_256": tiles of 256 rows, ...}.
-  """
-  group_sizes_G = np.asarray(group_sizes_G)
-  if tiles is None:
-    tiles = tile_sizes(num_rows, *default_tiles(num_rows, group_sizes_G.shape[0]))
-  sched = tile_schedule(group_sizes_G, num_rows, tuple(tiles))
-  counts = {GROUP_SCOPE: int(sched.num_groups)}
-  counts.update({f"{TILE_SCOPE}{t}": int(n) for t, n in zip(sched.tiles,
-                                                           sched.count_GL.sum(axis=0))})
-  return counts
-
-
-def _match_vma(*arrays):
-  """Makes the arrays vary over the same mesh axes (the union of theirs) inside shard_map.
-
-  An operand that is the same on every device (e.g. replicated weights) next to one that
-  varies (the rows) is cast to varying here, before the custom_vjp: its cotangent is then
-  varying like the bwd rule's, and JAX transposes the cast into the psum. Outside shard_map
-  this does nothing.
-  """
-  vmas = [_varying_axes(a) for a in arrays]
-  union = frozenset().union(*vmas)
-  return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
-               for a, v in zip(arrays, vmas))
-
-
-def _varying_axes(a):
-  """The mesh axes `a` varies over (JAX 0.10: `manual_axis_type.varying`; older: `vma`)."""
-  aval = jax.typeof(a)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", frozenset()))
-
-
-def _zeros_varying(shape, dtype, *refs):
-  """Zeros with the mesh-axis variance of `refs` (a loop carry inside shard_map)."""
-  z = jnp.zeros_like(refs[0], shape=shape, dtype=dtype)
-  for r in refs[1:]:
-    z = z + jnp.zeros_like(r, shape=(), dtype=dtype)
-  return z
-
-
-def _fori(count, body, init):
-  """`fori_loop(0, count, body, init)` for a traced `count`, as a plain while_loop."""
-  def cond(c):
-    return c[0] < count
-
-  def step(c):
-    return c[0] + 1, body(c[0], c[1])
-  return jax.lax.while_loop(cond, step, (jnp.zeros((), jnp.int32), init))[1]
-
-
-def _for_each_tile(sched, g, num_rows, body, carry):
-  """Runs body(tile, row0, mask_t1, carry) over the tiles of group g, one loop per size.
-
-  row0 is the first row of the tile as sliced: a tile that would run past `num_rows` is
-  slid back to end there, and mask_t1 (bool[tile, 1]) marks the rows that are the group's
-  own (not before the tile's true start, not at or past the group's end).
-  """
-  end = sched.end_G[g]
-  for l, t in enumerate(sched.tiles):
-    def step(j, carry, l=l, t=t):
-      start = sched.first_GL[g, l] + j * t
-      row0 = jnp.minimum(start, num_rows - t)
-      r_t = row0 + jnp.arange(t, dtype=jnp.int32)
-      mask_t1 = ((r_t >= start) & (r_t < end))[:, None]
-      return body(t, row0, mask_t1, carry)
-    with jax.named_scope(f"{TILE_SCOPE}{t}"):  # names the loop for `measure`
-      carry = _fori(sched.count_GL[g, l], step, carry)
-  return carry
-
-
-def _for_each_group(sched, body, carry):
-  """Runs body(g, carry) for each non-empty group g."""
-  with jax.named_scope(GROUP_SCOPE):
-    return _fori(sched.num_groups, lambda i, c: body(sched.groups[i], c), carry)
-
-
-def _padded_rows(M, tiles):
-  """Rows of the working buffers: M, or one more than the largest tile when M is not larger.
-
-  Every tile slice must fit; and a buffer of exactly one largest tile would make that tile's
-  slice start provably 0, so XLA would hoist its matmul out of the (data-dependent) loop
-  and run it whether or not the loop runs.
-  """
-  return M if M > tiles[0] else tiles[0] + 1
-
-
-def _pad_rows(a_MK, rows):
-  """Pads to `rows` rows when M is not larger than the largest tile (small inputs only)."""
-  return a_MK if a_MK.shape[0] >= rows else jnp.pad(a_MK, ((0, rows - a_MK.shape[0]), (0, 0)))
-
-
-def _gmm_fwd_loop(x_MD, w_GDF, sched):
-  """y_MF: f32[M, F], y[rows of g] = x[rows of g] @ w[g], other rows 0."""
-  M = x_MD.shape[0]
-  P = _padded_rows(M, sched.tiles)
-  x_PD = _pad_rows(x_MD, P)
-  y_PF = _zeros_varying((P, w_GDF.shape[2]), jnp.float32, x_MD, w_GDF)
-
-  def group(g, y_PF):
-    w_DF = w_GDF[g]
-
-    def tile(t, row0, mask_t1, y_PF):
-      x_tD = jax.lax.dynamic_slice_in_dim(x_PD, row0, t)
-      new_tF = jnp.einsum("td,df->tf", x_tD, w_DF, preferred_element_type=jnp.float32)
-      old_tF = jax.lax.dynamic_slice_in_dim(y_PF, row0, t)
-      # Rows outside the group keep what their own group's tile wrote (any order works).
-      return jax.lax.dynamic_update_slice_in_dim(y_PF, jnp.where(mask_t1, new_tF, old_tF),
-                                                 row0, axis=0)
-    return _for_each_tile(sched, g, P, tile, y_PF)
-  return _for_each_group(sched, group, y_PF)[:M]
-
-
-def _gmm_bwd_loop(x_MD, w_GDF, dy_MF, sched):
-  """(dx_MD: f32[M, D], dw_GDF: f32[G, D, F]) of y = gmm(x, w) for the cotangent dy_MF."""
-  M, D = x_MD.shape
-  G, _, F = w_GDF.shape
-  P = _padded_rows(M, sched.tiles)
-  x_PD = _pad_rows(x_MD, P)
-  dy_PF = _pad_rows(dy_MF, P)
-  dx_PD = _zeros_varying((P, D), jnp.float32, x_MD, w_GDF, dy_MF)
-  dw_GDF = _zeros_varying((G, D, F), jnp.float32, x_MD, w_GDF, dy_MF)
-
-  def group(g, carry):
-    w_DF = w_GDF[g]
-
-    def tile(t, row0, mask_t1, carry):
-      dx_PD, dw_GDF = carry
-      x_tD = jnp.where(mask_t1, jax.lax.dynamic_slice_in_dim(x_PD, row0, t), 0)
-      dy_tF = jnp.where(mask_t1, jax.lax.dynamic_slice_in_dim(dy_PF, row0, t), 0)
-      # dx[rows of g] = dy[rows of g] @ w[g]^T; rows of other groups keep their value.
-      new_tD = jnp.einsum("tf,df->td", dy_tF, w_DF, preferred_element_type=jnp.float32)
-      old_tD = jax.lax.dynamic_slice_in_dim(dx_PD, row0, t)
-      dx_PD = jax.lax.dynamic_update_slice_in_dim(dx_PD, jnp.where(mask_t1, new_tD, old_tD),
-                                                  row0, axis=0)
-      # dw[g] += x_tile^T @ dy_tile (rows of other groups are zeroed above). Added in place
-      # into dw (one fused read-add-write of [D, F]): cheaper on XLA:CPU than a [D, F]
-      # accumulator carry, which costs a zero fill, the same add and a final copy per group.
-      dw_DF = jnp.einsum("td,tf->df", x_tD, dy_tF, preferred_element_type=jnp.float32)
-      return dx_PD, dw_GDF.at[g].add(dw_DF)
-
-    return _for_each_tile(sched, g, P, tile, carry)
-
-  dx_PD, dw_GDF = _for_each_group(sched, group, (dx_PD, dw_GDF))
-  return dx_PD[:M], dw_GDF
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm_tiled(x_MD, w_GDF, group_sizes_G, tiles):
-  sched = tile_schedule(group_sizes_G, x_MD.shape[0], tiles)
-  return _gmm_fwd_loop(x_MD, w_GDF, sched)
-
-
-def _gmm_tiled_fwd(x_MD, w_GDF, group_sizes_G, tiles):
-  return _gmm_tiled(x_MD, w_GDF, group_sizes_G, tiles), (x_MD, w_GDF, group_sizes_G)
-
-
-def _gmm_tiled_bwd(tiles, res, dy_MF):
-  x_MD, w_GDF, group_sizes_G = res
-  sched = tile_schedule(group_sizes_G, x_MD.shape[0], tiles)
-  dx_MD, dw_GDF = _gmm_bwd_loop(x_MD, w_GDF, dy_MF.astype(x_MD.dtype), sched)
-  return dx_MD.astype(x_MD.dtype), dw_GDF.astype(w_GDF.dtype), None
-
-
-_gmm_tiled.defvjp(_gmm_tiled_fwd, _gmm_tiled_bwd)
-
-
-def _gmm_ragged_dot(x_MD, w_GDF, group_sizes_G):
+def ragged_dot(x_MD, w_GDF, group_sizes_G, **_):
+  """The "ragged_dot" backend: `lax.ragged_dot`, accumulating in float32."""
   return jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
+
+
+BACKENDS = {"ragged_dot": ragged_dot, "tiled": tiled}
+PLATFORM_BACKENDS = {"tpu": "ragged_dot"}
+DEFAULT_BACKEND = "tiled"
+IMPLS = ("auto", *BACKENDS)
 
 
 def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, impl="auto", preferred_element_type=None,
@@ -397,8 +54,8 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, impl="auto", preferred_element
     x_MD: f[M, D] rows sorted by group.
     w_GDF: f[G, D, F] one matrix per group (cast to the dtype of `x_MD`).
     group_sizes_G: int[G] rows per group; rows past `sum(group_sizes_G)` give zeros.
-    impl: "auto" (default; "ragged_dot" when compiled for TPU, "tiled" elsewhere),
-      "ragged_dot" (`lax.ragged_dot`) or "tiled" (routed FLOPs only).
+    impl: "auto" (default; the backend of the platform compiled for, `PLATFORM_BACKENDS`,
+      else `DEFAULT_BACKEND`) or a name of `BACKENDS` ("tiled", "ragged_dot").
     preferred_element_type: output dtype (default: the dtype of `x_MD`). Products always
       accumulate in float32.
     max_tile, min_tile: tile sizes of "tiled", powers of two (default None: from
@@ -417,34 +74,37 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, impl="auto", preferred_element
   x_MD = _checks.float_array(fn, "x_MD", x_MD, ndim=2)
   w_GDF = _checks.float_array(fn, "w_GDF", w_GDF, ndim=3)
   group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
-  if impl not in IMPLS:
-    raise ValueError(f"{fn}: impl must be one of {IMPLS} (got {impl!r})")
+  _checks.choice_field(fn, "impl", impl, IMPLS)
   if x_MD.shape[1] != w_GDF.shape[1]:
     raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D "
                      f"({x_MD.shape[1]})")
   if group_sizes_G.shape != (w_GDF.shape[0],):
     raise ValueError(f"{fn}: group_sizes_G must have shape ({w_GDF.shape[0]},), one per "
                      f"group of w_GDF (got {tuple(group_sizes_G.shape)})")
-  M, G = x_MD.shape[0], w_GDF.shape[0]
+  # Checked here, at trace time, for every backend (a platform branch is traced lazily).
+  tile_sizes(x_MD.shape[0], *_tiles_or_default(x_MD.shape[0], w_GDF.shape[0], max_tile,
+                                               min_tile))
+  out_dtype = x_MD.dtype if preferred_element_type is None else preferred_element_type
+  w_GDF = w_GDF.astype(x_MD.dtype)
+  group_sizes_G = group_sizes_G.astype(jnp.int32)
+  x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF, group_sizes_G)
+
+  def backend(name):
+    return lambda x, w, gs: BACKENDS[name](x, w, gs, max_tile=max_tile, min_tile=min_tile)
+
+  if impl != "auto":
+    y = backend(impl)(x_MD, w_GDF, group_sizes_G)
+  else:
+    y = jax.lax.platform_dependent(
+        x_MD, w_GDF, group_sizes_G, default=backend(DEFAULT_BACKEND),
+        **{platform: backend(name) for platform, name in PLATFORM_BACKENDS.items()})
+  return y.astype(out_dtype)
+
+
+def _tiles_or_default(M, G, max_tile, min_tile):
   default_max, default_min = default_tiles(M, G)
   if max_tile is None:
     max_tile = default_max if min_tile is None else max(default_max, min_tile)
   if min_tile is None:
     min_tile = min(default_min, max_tile)
-  tiles = tile_sizes(M, max_tile, min_tile)
-  out_dtype = x_MD.dtype if preferred_element_type is None else preferred_element_type
-  w_GDF = w_GDF.astype(x_MD.dtype)
-  group_sizes_G = group_sizes_G.astype(jnp.int32)
-  x_MD, w_GDF, group_sizes_G = _match_vma(x_MD, w_GDF, group_sizes_G)
-
-  def tiled(x, w, gs):
-    return _gmm_tiled(x, w, gs, tiles)
-
-  if impl == "ragged_dot":
-    y = _gmm_ragged_dot(x_MD, w_GDF, group_sizes_G)
-  elif impl == "tiled":
-    y = tiled(x_MD, w_GDF, group_sizes_G)
-  else:
-    y = jax.lax.platform_dependent(x_MD, w_GDF, group_sizes_G, tpu=_gmm_ragged_dot,
-                                   default=tiled)
-  return y.astype(out_dtype)
+  return max_tile, min_tile

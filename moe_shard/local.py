@@ -97,28 +97,28 @@ def moe_masked_scan(x_TD, w, experts, weights=None):
   return y_TF.astype(x_TD.dtype)
 
 
-def sort_by_expert(experts_N, num_experts):
+def sort_by_expert(experts_I, num_experts):
   """Orders items by expert id, invalid ids (outside [0, E)) last.
 
   Args:
-    experts_N: int[N] expert id of each item.
+    experts_I: int[I] expert id of each item.
     num_experts: E.
 
   Returns:
-    (order_N: i32[N] item indices in expert order (stable), group_sizes_E: i32[E] valid
-    items per expert, valid_N: bool[N]).
+    (order_I: i32[I] item indices in expert order (stable), group_sizes_E: i32[E] valid
+    items per expert, valid_I: bool[I]).
   """
-  valid_N = (experts_N >= 0) & (experts_N < num_experts)
-  key_N = jnp.where(valid_N, experts_N, num_experts)
-  order_N = jnp.argsort(key_N, stable=True).astype(jnp.int32)
-  group_sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_N].add(1)[:num_experts]
-  return order_N, group_sizes_E, valid_N
+  valid_I = (experts_I >= 0) & (experts_I < num_experts)
+  key_I = jnp.where(valid_I, experts_I, num_experts)
+  order_I = jnp.argsort(key_I, stable=True).astype(jnp.int32)
+  group_sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_I].add(1)[:num_experts]
+  return order_I, group_sizes_E, valid_I
 
 
-def inverse_permutation(order_N):
+def inverse_permutation(order_I):
   """Returns inv with inv[order[i]] = i."""
-  N = order_N.shape[0]
-  return jnp.zeros_like(order_N).at[order_N].set(jnp.arange(N, dtype=order_N.dtype))
+  I = order_I.shape[0]  # noqa: E741 - the items letter
+  return jnp.zeros_like(order_I).at[order_I].set(jnp.arange(I, dtype=order_I.dtype))
 
 
 @jax.named_scope("moe_ragged_dot")
@@ -151,13 +151,13 @@ def ragged_combine(x_TD, ffn, num_experts, experts_TK, weights_TK, gmm_impl="aut
   """
   T, K = experts_TK.shape
   with jax.named_scope("permute"):
-    order_N, group_sizes_E, valid_N = sort_by_expert(experts_TK.reshape(-1), num_experts)
-    x_ND = x_TD[order_N // K]  # N = T*K items in expert order; invalid ones last
+    order_I, group_sizes_E, valid_I = sort_by_expert(experts_TK.reshape(-1), num_experts)
+    x_ID = x_TD[order_I // K]  # I = T*K items in expert order; invalid ones last
   with jax.named_scope("experts"):
     matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=gmm_impl,
                                preferred_element_type=jnp.float32)
-    y_NF = ffn(x_ND, matmul)  # rows past sum(group_sizes) are zeros
+    y_IF = ffn(x_ID, matmul)  # rows past sum(group_sizes) are zeros
   with jax.named_scope("unpermute"):
-    y_TKF = y_NF[inverse_permutation(order_N)].reshape(T, K, -1)
-    weights_TK = jnp.where(valid_N.reshape(T, K), weights_TK, 0.0)
+    y_TKF = y_IF[inverse_permutation(order_I)].reshape(T, K, -1)
+    weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)
     return jnp.einsum("tk,tkf->tf", weights_TK, y_TKF)

@@ -18,16 +18,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.routing import expert_load
+from moe_shard.sharding import EXPERT, check_mesh, place, token_spec, trim, vary_over
 
-EXPERT = "expert"
-DATA = "data"
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
 
 
@@ -55,14 +52,13 @@ class _Layout:
 
   @property
   def token_spec(self):
-    return P(self.all_axes)
+    return token_spec(self.mesh)
 
 
 def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
   """Checks, pads T to a multiple of the device count and places the inputs on the mesh."""
   x_TD, ffn, E, experts_TK, weights_TK = local.check_moe_inputs(fn, x_TD, w, experts, weights)
-  _checks.divisible(fn, "num_experts", E, f"the '{expert_axis}' axis size",
-                    mesh.shape[expert_axis])
+  check_mesh(fn, mesh, expert_axis, E)
   T = x_TD.shape[0]
   pad = -T % mesh.size
   if pad:  # padding tokens route nowhere (id -1) and are trimmed from the output
@@ -77,52 +73,6 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
                                   for a in (x_TD, experts_TK, weights_TK))
   ffn = jax.tree.map(lambda leaf: place(leaf, mesh, P(expert_axis)), ffn)
   return lay, x_TD, ffn, experts_TK, weights_TK
-
-
-def _check_mesh(fn, mesh, expert_axis):
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh (got {type(mesh).__name__})")
-  if expert_axis not in mesh.axis_names:
-    raise ValueError(f"{fn}: expert_axis {expert_axis!r} must be an axis of the mesh "
-                     f"(got axes {tuple(mesh.axis_names)})")
-
-
-def place(a, mesh, spec):
-  """Puts `a` on the mesh with `spec`, inside or outside jit, for Auto or Explicit axes.
-
-  On a mesh spanning processes, data this process holds whole (NumPy, or a jax.Array on its
-  own devices) is taken to be the same global array in every process.
-  """
-  sharding = NamedSharding(mesh, spec)
-  if not isinstance(a, jax.core.Tracer):
-    if not sharding.is_fully_addressable and getattr(a, "is_fully_addressable", True):
-      # Each process copies only its own shards; device_put would first all-gather the
-      # whole array from every process to check that they agree.
-      host = np.asarray(a)
-      dtype = jax.dtypes.canonicalize_dtype(host.dtype)
-      return jax.make_array_from_callback(host.shape, sharding,
-                                          lambda idx: host[idx].astype(dtype), dtype=dtype)
-    return jax.device_put(a, sharding)
-  if all(t == AxisType.Explicit for t in mesh.axis_types):
-    return jax.sharding.reshard(a, sharding)
-  return jax.lax.with_sharding_constraint(a, sharding)
-
-
-def _trim(y_TF, lay):
-  """Drops the padding tokens (T that does not divide leaves the output replicated)."""
-  if lay.padded == lay.tokens:
-    return y_TF
-  if all(t == AxisType.Explicit for t in lay.mesh.axis_types):
-    y_TF = place(y_TF, lay.mesh, P())
-  return y_TF[:lay.tokens]
-
-
-def _vary_over(tree, axes):
-  """Marks expert parameters (replicated over `axes`) as varying there, inside shard_map.
-
-  Its transpose sums the parameter gradients over `axes`.
-  """
-  return jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), tree) if axes else tree
 
 
 # --------------------------------------------------------------------------- all_gather
@@ -154,7 +104,7 @@ def moe_all_gather(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
   Raises:
     TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
   """
-  _check_mesh("moe_all_gather", mesh, expert_axis)
+  check_mesh("moe_all_gather", mesh, expert_axis)
   return _all_gather_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
                          gmm_impl=gmm_impl)
 
@@ -169,14 +119,14 @@ def _all_gather_jit(x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl):
   y_TF = jax.shard_map(body, mesh=mesh,
                        in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
                        out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
-  return _trim(y_TF, lay)
+  return trim(y_TF, mesh, lay.tokens)
 
 
 def _all_gather_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, gmm_impl):
   # Per-device sizes: T tokens of this device, L = E / N local experts.
   axis = lay.expert_axis
   L = lay.num_experts // lay.n
-  ffn_L = _vary_over(ffn_L, lay.other_axes)
+  ffn_L = vary_over(ffn_L, lay.other_axes)
   # Every device receives the tokens, ids and weights of all N devices on its expert axis.
   with jax.named_scope("all_gather"):
     x_MD, experts_MK, weights_MK = (jax.lax.all_gather(a, axis, axis=0, tiled=True)
@@ -233,8 +183,8 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
   Raises:
     TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
   """
-  _check_mesh("moe_all_to_all", mesh, expert_axis)
-  chunk_size = plan_lib.check_chunk_size(chunk_size)
+  check_mesh("moe_all_to_all", mesh, expert_axis)
+  chunk_size = _checks.chunk_size_field("moe_all_to_all", chunk_size)
   out = _all_to_all_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
                         chunk_size=chunk_size, return_stats=bool(return_stats),
                         gmm_impl=gmm_impl)
@@ -263,7 +213,7 @@ def _all_to_all_jit(x_TD, w, experts, weights, *, mesh, expert_axis, chunk_size,
       body, mesh=mesh,
       in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
       out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
-  y_TF = _trim(y_TF, lay)
+  y_TF = trim(y_TF, mesh, lay.tokens)
   if not return_stats:
     return y_TF
   # Padding tokens carry id -1 on each of their K slots; they are not the caller's.
@@ -290,7 +240,7 @@ def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_im
     local_I = experts_TK.reshape(-1) % cfg.local_experts  # local expert id at the receiver
     # Every device runs as many rounds as the busiest queue on the whole mesh needs.
     rounds = chunks.rounds(jax.lax.pmax(jnp.max(plan.count_N), lay.all_axes))
-  ffn_L = _vary_over(ffn_L, lay.other_axes)
+  ffn_L = vary_over(ffn_L, lay.other_axes)
   y_TF = _dispatch(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
   sent = jnp.sum(plan.count_N)
   stats = dict(

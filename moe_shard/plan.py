@@ -12,7 +12,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moe_shard import _checks, local
 
@@ -60,36 +59,14 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
     `Chunks`.
 
   Raises:
-    TypeError, ValueError: see `check_chunk_size`.
+    TypeError, ValueError: a `chunk_size` that is not None, an int >= 1 or a pair of them.
   """
-  chunk_size = check_chunk_size(chunk_size)
+  chunk_size = _checks.chunk_size_field("moe_all_to_all", chunk_size)
   if chunk_size is None:
     mean = math.ceil(tokens * k / num_devices)
     first = max(8, 8 * math.ceil(mean / 8))
     return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
   return Chunks(*chunk_size)
-
-
-def _is_int(c):
-  return isinstance(c, (int, np.integer)) and not isinstance(c, (bool, np.bool_))
-
-
-def check_chunk_size(chunk_size):
-  """Validates `chunk_size` and returns None or a hashable pair (C_first, C_overflow).
-
-  Raises:
-    TypeError: not None, an int or a pair of ints.
-    ValueError: a chunk size below 1.
-  """
-  if chunk_size is None:
-    return None
-  pair = (chunk_size, chunk_size) if _is_int(chunk_size) else chunk_size
-  rule = "chunk_size must be None, an int >= 1 or a pair of ints >= 1"
-  if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(_is_int, pair)):
-    raise TypeError(f"moe_all_to_all: {rule} (got {chunk_size!r})")
-  if min(pair) < 1:
-    raise ValueError(f"moe_all_to_all: {rule} (got {chunk_size!r})")
-  return int(pair[0]), int(pair[1])
 
 
 @jax.tree_util.register_dataclass

@@ -2,6 +2,10 @@
 
 Router math runs in float32 whatever the dtype of the logits. Nothing here knows about
 meshes or dispatch.
+
+`ROUTERS` is the router table: a name maps to a function `(logits_TE, cfg) -> Routing`
+(`MoEConfig.router` takes a name from it or such a function). A new router is one function
+and one entry. `drop_over_capacity` turns a routing into a capacity-limited one.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks
+from moe_shard.local import inverse_permutation, sort_by_expert
 
 
 @jax.tree_util.register_dataclass
@@ -103,3 +108,43 @@ def router_z_loss(logits_TE):
   logits_TE = _checks.float_array("router_z_loss", "logits_TE", logits_TE, ndim=2)
   z_T = jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)
   return jnp.mean(jnp.square(z_T))
+
+
+def top_k_router(logits_TE, cfg):
+  """The "top_k" router: `top_k_routing(logits_TE, cfg.top_k, normalize=cfg.normalize_top_k)`."""
+  return top_k_routing(logits_TE, cfg.top_k, normalize=cfg.normalize_top_k)
+
+
+ROUTERS = {"top_k": top_k_router}
+
+
+def get_router(router):
+  """The router function of a `MoEConfig.router` value (a name of `ROUTERS` or a function)."""
+  return ROUTERS[router] if isinstance(router, str) else router
+
+
+def drop_over_capacity(experts_TK, num_experts, capacity):
+  """Drops the items past each expert's capacity, earlier tokens first.
+
+  Each expert's queue holds its (token, slot) items in token order, then slot order within
+  a token (the row-major order of `experts_TK`). The first `capacity` items of every queue
+  are kept; the rest get expert id -1, which every dispatch implementation treats as
+  contributing zero. Ids already outside [0, E) stay as they are and are not counted.
+
+  Args:
+    experts_TK: i32[T, K] expert ids (all the tokens of the call, in order).
+    num_experts: E.
+    capacity: items each expert takes (static int >= 0).
+
+  Returns:
+    (kept_TK: i32[T, K] ids with dropped items set to -1, dropped_TK: bool[T, K]).
+  """
+  T, K = experts_TK.shape
+  ids_I = experts_TK.reshape(T * K)  # I = T*K items in queue order
+  order_I, load_E, valid_I = sort_by_expert(ids_I, num_experts)  # stable
+  start_E = jnp.cumsum(load_E) - load_E
+  rank_I = inverse_permutation(order_I)  # sorted position of each item
+  pos_I = rank_I - start_E[jnp.where(valid_I, ids_I, 0)]  # position in its expert's queue
+  dropped_I = valid_I & (pos_I >= capacity)
+  kept_I = jnp.where(dropped_I, -1, ids_I)
+  return kept_I.reshape(T, K), dropped_I.reshape(T, K)

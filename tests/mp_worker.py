@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_shard as ms  # noqa: E402
 from cases import FAST_COMPILE  # noqa: E402
-from moe_shard import parallel  # noqa: E402
+from moe_shard import sharding  # noqa: E402
 
 # gmm_impl="ragged_dot": the tiled kernel's loops stay within a device and would dominate the
 # compile time; what crosses processes is the dispatch, its return and the gradient sums.
@@ -79,13 +79,13 @@ def step(params, x_BSD, ct_BSD, *, mesh):
 def run(mesh, seed=0):
   """Places the case on `mesh` and dispatches `step` (asynchronously): {name: jax.Array}.
 
-  Also `place`: `parallel.place` of the NumPy tokens, which must come back unchanged.
+  Also `place`: `sharding.place` of the NumPy tokens, which must come back unchanged.
   """
   params, x_BSD, ct_BSD = case(seed)
   tok = P(tuple(mesh.axis_names))
   params = jax.tree.map(lambda a, s: shard(a, mesh, s), params, ms.moe_param_specs(CFG))
   out = step(params, shard(x_BSD, mesh, tok), shard(ct_BSD, mesh, tok), mesh=mesh)
-  out["place"] = parallel.place(x_BSD, mesh, tok)
+  out["place"] = sharding.place(x_BSD, mesh, tok)
   tag = "x".join(map(str, mesh.devices.shape))
   return {f"{tag}/{jax.tree_util.keystr(p, simple=True, separator='/')}": a
           for p, a in jax.tree_util.tree_leaves_with_path(out)}

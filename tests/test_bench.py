@@ -10,7 +10,7 @@ import pytest
 import moe_shard as ms
 from bench import ROUTINGS, baselines, cli, common
 from bench import programs as progs
-from moe_shard import measure
+from bench import measure
 
 SMALL = progs.Size(T=256, D=16, F=32, K=2)
 SMALL_ARGS = ["-T", "256", "-D", "16", "-F", "32", "-E", "8", "--repeats", "1",

@@ -19,7 +19,8 @@ import moe_shard as ms
 from cases import TOL, assert_close
 
 # The module (the package re-exports the function under the same name).
-gmm = importlib.import_module("moe_shard.grouped_matmul")
+gmm = importlib.import_module("moe_shard.gmm_tiled")
+from bench import accounting  # noqa: E402
 
 
 def _inputs(M, D, F, group_sizes, dtype=jnp.float32, seed=0):
@@ -177,7 +178,7 @@ def test_schedule_covers_each_row_once_within_the_row_bound(sizes, extra_rows, m
   routed = min(M, sum(sizes))
   np.testing.assert_array_equal(hits[:routed], 1)
   np.testing.assert_array_equal(hits[routed:], 0)
-  visits = gmm.schedule_rows(sizes, M, tiles)
+  visits = accounting.schedule_rows(sizes, M, tiles)
   rows_computed = sum(t * n for t, n in visits.items())
   assert routed <= rows_computed <= M + len(sizes) * (tiles[-1] - 1)
   # Only non-empty groups are visited.
@@ -212,7 +213,7 @@ def test_tile_sizes():
 
 
 def test_loop_trip_counts_follow_the_schedule():
-  counts = gmm.loop_trip_counts([300, 0, 40, 5], 400, (256, 64, 16))
+  counts = accounting.loop_trip_counts([300, 0, 40, 5], 400, (256, 64, 16))
   # Sizes need not be consecutive powers of two: 300 = 256 + 44 -> one 256, no 64, and
   # 44 -> two 16s and a masked 16; 40 -> three 16s (the last masked); 5 -> one masked 16.
   assert counts == {"gmm_groups": 3, "gmm_tile_256": 1, "gmm_tile_64": 0,

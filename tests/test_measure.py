@@ -10,9 +10,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_shard import measure
+import moe_shard as ms
+from bench import measure
 
-gmm = importlib.import_module("moe_shard.grouped_matmul")
+gmm = importlib.import_module("moe_shard.gmm_tiled")
+from bench import accounting  # noqa: E402
 N = 8  # simulated devices (tests/conftest.py)
 
 
@@ -161,7 +163,7 @@ def test_tiled_grouped_matmul_executed_flops(mode, M, sizes):
   args = [_spec((M, D)), _spec((len(sizes), D, F)), _spec(sizes.shape, jnp.int32)]
 
   def fwd(x, w, gs):
-    return gmm.grouped_matmul(x, w, gs, impl="tiled", max_tile=32, min_tile=4)
+    return ms.grouped_matmul(x, w, gs, impl="tiled", max_tile=32, min_tile=4)
 
   def fwd_bwd(x, w, gs, dy):
     y, vjp = jax.vjp(lambda x, w: fwd(x, w, gs), x, w)
@@ -171,8 +173,8 @@ def test_tiled_grouped_matmul_executed_flops(mode, M, sizes):
   if mode != "fwd":
     args.append(_spec((M, F)))
   compiled = measure.compile_fn(fn, *args)
-  rows = sum(t * n for t, n in gmm.schedule_rows(sizes, M, tiles).items())
-  flops = measure.executed_flops(compiled, gmm.loop_trip_counts(sizes, M, tiles))
+  rows = sum(t * n for t, n in accounting.schedule_rows(sizes, M, tiles).items())
+  flops = measure.executed_flops(compiled, accounting.loop_trip_counts(sizes, M, tiles))
   assert flops["dot_executed"] == passes * 2 * D * F * rows
   # XLA's count adds elementwise work outside the dots (masks, the dw additions).
   assert flops["dot_executed"] <= flops["executed"] <= 1.2 * flops["dot_executed"]

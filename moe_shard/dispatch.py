@@ -1,0 +1,98 @@
+"""The dispatch table: how tokens reach their experts and come back.
+
+A dispatch is a function
+
+    dispatch(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg) -> (y_TD, stats)
+
+  x_TD: f[T, D] tokens (the compute dtype); ffn: the expert FFN, expert axis first;
+  experts_TK: i32[T, K] expert ids (outside [0, E): contributes zero); weights_TK: f32[T, K];
+  mesh: a `jax.sharding.Mesh` or None; cfg: the `MoEConfig`.
+  y_TD: f[T, F] = sum_j weights[t, j] * ffn(experts[t, j], x[t]); stats: a dict of
+  dispatch statistics (possibly empty), merged into the layer's `aux`.
+
+`DISPATCHES` maps a name to a `Dispatch` (the function and whether it needs a mesh);
+`MoEConfig(impl=...)` takes a name from it or any function of the signature above. A new
+dispatch is one function and one entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+from moe_shard import local, parallel
+from moe_shard.sharding import auto
+
+
+def masked_scan(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+  """`moe_masked_scan` (XLA shards it as it likes on a mesh)."""
+  del mesh, cfg
+  fn = auto(local.moe_masked_scan, x_TD, lambda spec: spec)
+  return fn(x_TD, ffn, experts_TK, weights_TK), {}
+
+
+def ragged_dot(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+  """`moe_ragged_dot` with `cfg.gmm_impl` (XLA shards it as it likes on a mesh)."""
+  del mesh
+  fn = auto(functools.partial(local.moe_ragged_dot, gmm_impl=cfg.gmm_impl), x_TD,
+            lambda spec: spec)
+  return fn(x_TD, ffn, experts_TK, weights_TK), {}
+
+
+def all_gather(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+  """`moe_all_gather` over `cfg.expert_axis`."""
+  return parallel.moe_all_gather(x_TD, ffn, experts_TK, weights_TK, mesh=mesh,
+                                 expert_axis=cfg.expert_axis, gmm_impl=cfg.gmm_impl), {}
+
+
+def all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+  """`moe_all_to_all` over `cfg.expert_axis`; stats: rounds, items sent, invalid ids."""
+  return parallel.moe_all_to_all(x_TD, ffn, experts_TK, weights_TK, mesh=mesh,
+                                 expert_axis=cfg.expert_axis, chunk_size=cfg.chunk_size,
+                                 return_stats=True, gmm_impl=cfg.gmm_impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+  """An entry of the dispatch table.
+
+  Attributes:
+    fn: the dispatch function (signature in the module docstring).
+    needs_mesh: it splits experts over the mesh's expert axis (a mesh is required).
+  """
+
+  fn: Callable
+  needs_mesh: bool = False
+
+
+DISPATCHES = {
+    "masked_scan": Dispatch(masked_scan),
+    "ragged_dot": Dispatch(ragged_dot),
+    "all_gather": Dispatch(all_gather, needs_mesh=True),
+    "all_to_all": Dispatch(all_to_all, needs_mesh=True),
+}
+
+
+def choose_impl(cfg, mesh=None):
+  """Resolves `cfg.impl` for a mesh.
+
+  Args:
+    cfg: `MoEConfig`.
+    mesh: None (default) or a `jax.sharding.Mesh`.
+
+  Returns:
+    `cfg.impl` unless it is "auto" (a name of `DISPATCHES`, or the user's function); for
+    "auto", "all_to_all" when the mesh's `cfg.expert_axis` has more than one device, else
+    "ragged_dot".
+  """
+  if cfg.impl != "auto":
+    return cfg.impl
+  if mesh is not None and mesh.shape.get(cfg.expert_axis, 1) > 1:
+    return "all_to_all"
+  return "ragged_dot"
+
+
+def get_dispatch(impl):
+  """The `Dispatch` of a resolved impl: a table entry, or a user's function (no mesh rule)."""
+  return DISPATCHES[impl] if isinstance(impl, str) else Dispatch(impl)

@@ -1,0 +1,191 @@
+"""Placing arrays on a mesh, mesh checks, and the Explicit/Auto axis helpers.
+
+Mesh axes: experts are split over `EXPERT`; tokens over every mesh axis (`EXPERT` and, when
+present, `DATA` or any other). `jax.make_mesh` defaults to `AxisType.Explicit`, under which
+JAX refuses to guess shardings for sort and scatter; `auto` runs such a stage with the
+Explicit axes switched to Auto, and `like` puts a result back on the sharding of a
+reference. Nothing here issues a collective.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_shard import _checks
+
+EXPERT = "expert"
+DATA = "data"
+
+
+def check_mesh(fn, mesh, expert_axis, num_experts=None, *, optional=False):
+  """Raises unless `mesh` is a Mesh with `expert_axis` whose size divides `num_experts`.
+
+  Args:
+    fn: name of the calling function, for error messages.
+    mesh: the mesh argument.
+    expert_axis: the axis experts are split over.
+    num_experts: E, or None not to check divisibility.
+    optional: whether None is allowed (it is then returned as is).
+  """
+  if mesh is None and optional:
+    return
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh{' or None' if optional else ''} "
+                    f"(got {type(mesh).__name__})")
+  if expert_axis not in mesh.axis_names:
+    raise ValueError(f"{fn}: mesh must have the expert axis {expert_axis!r} "
+                     f"(got axes {tuple(mesh.axis_names)})")
+  if num_experts is not None:
+    _checks.divisible(fn, "num_experts", num_experts, f"the '{expert_axis}' axis size",
+                      mesh.shape[expert_axis])
+
+
+def token_spec(mesh):
+  """Tokens split over every mesh axis: `P((all axes))`."""
+  return P(tuple(mesh.axis_names))
+
+
+def place(a, mesh, spec):
+  """Puts `a` on the mesh with `spec`, inside or outside jit, for Auto or Explicit axes.
+
+  On a mesh spanning processes, data this process holds whole (NumPy, or a jax.Array on its
+  own devices) is taken to be the same global array in every process.
+  """
+  sharding = NamedSharding(mesh, spec)
+  if not isinstance(a, jax.core.Tracer):
+    if not sharding.is_fully_addressable and getattr(a, "is_fully_addressable", True):
+      # Each process copies only its own shards; device_put would first all-gather the
+      # whole array from every process to check that they agree.
+      host = np.asarray(a)
+      dtype = jax.dtypes.canonicalize_dtype(host.dtype)
+      return jax.make_array_from_callback(host.shape, sharding,
+                                          lambda idx: host[idx].astype(dtype), dtype=dtype)
+    return jax.device_put(a, sharding)
+  if all(t == AxisType.Explicit for t in mesh.axis_types):
+    return jax.sharding.reshard(a, sharding)
+  return jax.lax.with_sharding_constraint(a, sharding)
+
+
+def trim(y_TF, mesh, tokens):
+  """Keeps the first `tokens` rows (drops padding tokens; the result is replicated when
+  they do not divide the mesh)."""
+  if y_TF.shape[0] == tokens:
+    return y_TF
+  if all(t == AxisType.Explicit for t in mesh.axis_types):
+    y_TF = place(y_TF, mesh, P())
+  return y_TF[:tokens]
+
+
+def vary_over(tree, axes):
+  """Marks arrays (replicated over `axes`) as varying there, inside shard_map.
+
+  Its transpose sums the gradients over `axes`.
+  """
+  return jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), tree) if axes else tree
+
+
+def explicit_mesh(ref):
+  """The abstract mesh of `ref` and its Explicit axes, or (None, ()) when there are none."""
+  mesh = getattr(getattr(jax.typeof(ref), "sharding", None), "mesh", None)
+  if mesh is None or not mesh.axis_names:
+    return None, ()
+  return mesh, tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                     if t == AxisType.Explicit)
+
+
+def auto(fn, ref, out_specs):
+  """`fn` with the Explicit axes of `ref`'s mesh switched to Auto (XLA picks shardings).
+
+  `out_specs(ref_spec)` gives the `PartitionSpec` pytree of fn's outputs. Without Explicit
+  axes, `fn` itself.
+  """
+  mesh, axes = explicit_mesh(ref)
+  if not axes:
+    return fn
+
+  def wrapped(*args):
+    with jax.sharding.use_abstract_mesh(mesh):
+      out = out_specs(jax.typeof(ref).sharding.spec)
+      return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out)(*args)
+
+  return wrapped
+
+
+def like(y, ref):
+  """Reshards `y` to the sharding of `ref` when both live on an Explicit mesh."""
+  mesh, axes = explicit_mesh(ref)
+  if not axes:
+    return y
+  want = jax.typeof(ref).sharding
+  if jax.typeof(y).sharding.spec == want.spec:
+    return y
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.sharding.reshard(y, want.spec)
+
+
+def match_vma(*arrays):
+  """Makes the arrays vary over the same mesh axes (the union of theirs) inside shard_map.
+
+  An operand that is the same on every device (e.g. replicated weights) next to one that
+  varies (the rows) is cast to varying here, before the custom_vjp: its cotangent is then
+  varying like the bwd rule's, and JAX transposes the cast into the psum. Outside shard_map
+  this does nothing.
+  """
+  vmas = [varying_axes(a) for a in arrays]
+  union = frozenset().union(*vmas)
+  return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+               for a, v in zip(arrays, vmas))
+
+
+def varying_axes(a):
+  """The mesh axes `a` varies over (JAX 0.10: `manual_axis_type.varying`; older: `vma`)."""
+  aval = jax.typeof(a)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def zeros_varying(shape, dtype, *refs):
+  """Zeros with the mesh-axis variance of `refs` (a loop carry inside shard_map)."""
+  z = jnp.zeros_like(refs[0], shape=shape, dtype=dtype)
+  for r in refs[1:]:
+    z = z + jnp.zeros_like(r, shape=(), dtype=dtype)
+  return z
+
+
+def _token_sharding(mesh, tokens):
+  """Where a layer's [T, ...] tokens go on `mesh`: split over every axis when they divide
+  it, else replicated."""
+  return NamedSharding(mesh, token_spec(mesh) if tokens % mesh.size == 0 else P())
+
+
+def flatten_tokens(x_BSD, mesh):
+  """`x_BSD` as `x_TD` (T = B * S); on an Explicit mesh, split over the mesh's axes.
+
+  An Explicit-axis reshape must be told its output sharding whenever the merged sharding
+  cannot be written on [T] (e.g. B = 4 split over a mesh of 8): it goes to
+  `_token_sharding`, so any B and S work on both axis types.
+  """
+  B, S, D = x_BSD.shape
+  if mesh is None or AxisType.Explicit not in mesh.axis_types:
+    return x_BSD.reshape(B * S, D)
+  return jax.lax.reshape(x_BSD, (B * S, D), out_sharding=_token_sharding(mesh, B * S))
+
+
+def unflatten_tokens(y_TD, x_BSD, mesh):
+  """`y_TD` back to the shape of `x_BSD`, with its sharding on an Explicit mesh."""
+  B, S, _ = x_BSD.shape
+  shape = (B, S, y_TD.shape[-1])
+  if mesh is None or AxisType.Explicit not in mesh.axis_types:
+    return y_TD.reshape(shape)
+  ref_mesh, axes = explicit_mesh(x_BSD)
+  if axes:
+    out = NamedSharding(mesh, jax.typeof(x_BSD).sharding.spec)
+  else:  # x was not on the mesh: its batch split over the mesh when it divides, else whole
+    out = NamedSharding(mesh, token_spec(mesh) if B % mesh.size == 0 else P())
+  return jax.lax.reshape(y_TD, shape, out_sharding=out)
