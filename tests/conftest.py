@@ -1,6 +1,15 @@
 """Test setup: 8 simulated CPU devices, set before JAX is imported anywhere."""
 
 import os
+import sys
+
+# libtpu (for the ahead-of-time TPU compile tests) lives in a folder of its own, `.tpu-libs/`,
+# which the README's test command fills (`pip install --target .tpu-libs`): installed next to
+# a CPU jax it would make every `import jax` of the user's environment print a libtpu error.
+# Only the test process puts it on its path; JAX finds it with `import libtpu`.
+_TPU_LIBS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".tpu-libs")
+if os.path.isdir(_TPU_LIBS) and _TPU_LIBS not in sys.path:
+  sys.path.append(_TPU_LIBS)
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
