@@ -8,9 +8,16 @@ code runs), so `tests/test_bench.py` checks each against what the library does.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import jax.numpy as jnp
 import numpy as np
 
+import moe_shard as ms
 from moe_shard.gmm_tiled import GROUP_SCOPE, TILE_SCOPE, default_tiles, tile_sizes
+from moe_shard.parallel import OVERFLOW_SCOPE
+from moe_shard.sharding import EXPERT
 
 
 def schedule_rows(group_sizes_G, num_rows, tiles=None):
@@ -59,3 +66,162 @@ def loop_trip_counts(group_sizes_G, num_rows, tiles=None):
   counts.update({f"{TILE_SCOPE}{t}": n
                  for t, n in schedule_rows(sizes_G, num_rows, tiles).items()})
   return counts
+
+
+# --------------------------------------------------------------------------- per implementation
+# What the benchmark needs of each implementation on a case, from the host routing alone:
+# `Accounting(rounds, dropped, trips)`, trips one {scope path: iterations} dict per device
+# (mesh order). `bench/impls.py` keeps one of these functions beside each implementation.
+
+
+@dataclasses.dataclass(frozen=True)
+class Accounting:
+  """Host-side facts of one implementation on one case.
+
+  Attributes:
+    rounds: dispatch rounds (None when the notion does not apply).
+    dropped: (token, slot) items the implementation drops (0 for a dropless one).
+    trips: per device (mesh order), {named-scope path: total iterations} of its
+      data-dependent loops, for `measure.executed_flops` / `collective_bytes`.
+    kept: bool[T, K] the (token, slot) items it computes, or None for all of them.
+  """
+
+  rounds: int | None
+  dropped: int
+  trips: list
+  kept: np.ndarray | None = None
+
+
+def device_loads(experts_TK, num_experts, num_devices):
+  """int[devices, E]: items each device's tokens route to each expert (token blocks in mesh
+  order: the sharding P(all axes))."""
+  e = np.asarray(experts_TK).reshape(num_devices, -1)
+  load = np.zeros((num_devices, num_experts), np.int64)
+  for d in range(num_devices):
+    valid = e[d][(e[d] >= 0) & (e[d] < num_experts)]
+    load[d] = np.bincount(valid, minlength=num_experts)
+  return load
+
+
+def _layout(case):
+  """(n_dev, N expert-axis devices, M devices along the other axes, L local experts, T_dev,
+  loads [devices, E]) of a case; device index = e * M + m."""
+  mesh = case.mesh
+  n_dev = mesh.size
+  N = mesh.shape[EXPERT]
+  return (n_dev, N, n_dev // N, case.E // N, case.size.T // n_dev,
+          device_loads(case.experts_TK, case.E, n_dev))
+
+
+def a2a_chunks(tokens_per_device, k, num_devices, chunk_size=None):
+  """(C_first, C_overflow) of the all_to_all dispatch, written out from its documented rule
+  (`moe_all_to_all`): C_first = the expected (source, destination) load T_dev*K/N rounded up
+  to a multiple of 8 (at least 8), C_overflow = C_first / 4 rounded up to a multiple of 8."""
+  if chunk_size is not None:
+    return (chunk_size, chunk_size) if isinstance(chunk_size, int) else tuple(chunk_size)
+  first = max(8, 8 * math.ceil(math.ceil(tokens_per_device * k / num_devices) / 8))
+  return first, max(8, 8 * math.ceil(first / 4 / 8))
+
+
+def a2a_rounds(busiest_queue, chunks):
+  """Rounds the all_to_all runs: 1, plus one per C_overflow items past C_first on the
+  busiest (source, destination) queue of the mesh."""
+  first, overflow = chunks
+  return 1 + -(-max(busiest_queue - first, 0) // overflow)
+
+
+def all_to_all(case, on_tpu=False):
+  """The all_to_all's rounds and, per device, the tiled kernel's loops in each round (round 0
+  outside the overflow loop, the others inside it)."""
+  n_dev, N, M, L, T_dev, load = _layout(case)
+  first, overflow = a2a_chunks(T_dev, case.size.K, N, case.size.chunk_size)
+  queues = load.reshape(n_dev, N, L)  # [source, destination, local expert]
+  rounds = a2a_rounds(int(queues.sum(axis=2).max()), (first, overflow))
+  trips = [{OVERFLOW_SCOPE: rounds - 1} for _ in range(n_dev)]
+  if on_tpu:  # no tiled kernel on TPU
+    return Accounting(rounds, 0, trips)
+  ends = np.cumsum(queues, axis=2)
+  starts = ends - queues
+  inner = OVERFLOW_SCOPE + "/"
+  for d in range(n_dev):  # loops inside the overflow loop run 0 times when it never runs
+    trips[d].update({inner + k: 0 for k in loop_trip_counts(np.zeros(L, int), N * overflow)})
+  for r in range(rounds):
+    lo = 0 if r == 0 else first + (r - 1) * overflow
+    C = first if r == 0 else overflow
+    got = np.clip(np.minimum(ends, lo + C) - np.maximum(starts, lo), 0, None)
+    for dst in range(n_dev):
+      e_dst, m = divmod(dst, M)
+      sizes = got[[e_src * M + m for e_src in range(N)], e_dst].sum(axis=0)
+      for k, v in loop_trip_counts(sizes, N * C).items():
+        key = k if r == 0 else inner + k
+        trips[dst][key] = trips[dst].get(key, 0) + v
+  return Accounting(rounds, 0, trips)
+
+
+def all_gather(case, on_tpu=False):
+  """One pass; per device, the tiled kernel's loops over the items of its own experts."""
+  n_dev, N, M, L, T_dev, load = _layout(case)
+  trips = [dict() for _ in range(n_dev)]
+  if not on_tpu:
+    for dst in range(n_dev):
+      e_dst, m = divmod(dst, M)
+      sizes = load[[e_src * M + m for e_src in range(N)]][:, e_dst * L:(e_dst + 1) * L]
+      trips[dst] = loop_trip_counts(sizes.sum(axis=0), N * T_dev * case.size.K)
+  return Accounting(None, 0, trips)
+
+
+def ragged_dot(case, on_tpu=False):
+  """Under jit on sharded inputs XLA runs the whole sort and grouped matmul on every device."""
+  n_dev, *_, load = _layout(case)
+  counts = {} if on_tpu else loop_trip_counts(load.sum(axis=0), case.size.T * case.size.K)
+  return Accounting(None, 0, [dict(counts) for _ in range(n_dev)])
+
+
+def masked_scan(case, on_tpu=False):
+  """A scan over the E experts (its trip count is static; given for completeness)."""
+  return Accounting(None, 0, [{"moe_masked_scan": case.E} for _ in range(case.mesh.size)])
+
+
+def gshard(case, on_tpu=False):
+  """No loops; items past each (group, expert)'s capacity dropped, a group being the tokens
+  of one device (the same capacity formula as the layer's, `ms.capacity`), its queues filled
+  slot-major: every token's first choice before any second choice."""
+  n_dev, *_, T_dev, load = _layout(case)
+  K = case.size.K
+  C = ms.capacity(case.size.capacity_factor, T_dev, K, case.E)
+  kept = np.zeros(case.experts_TK.shape, bool)
+  for d in range(n_dev):
+    e_TK = case.experts_TK[d * T_dev:(d + 1) * T_dev]
+    filled = np.zeros(case.E + 1, np.int64)
+    for j in range(K):  # slot-major
+      for t in range(T_dev):
+        e = e_TK[t, j] if 0 <= e_TK[t, j] < case.E else case.E
+        if e < case.E and filled[e] < C:
+          kept[d * T_dev + t, j] = True
+        filled[e] += 1
+  dropped = int(np.maximum(load - C, 0).sum())
+  return Accounting(1, dropped, [dict() for _ in range(n_dev)], kept)
+
+
+def unknown(case, on_tpu=False):
+  """An implementation with no accounting: no rounds, nothing dropped, loops counted once
+  (the benchmark marks such figures)."""
+  return Accounting(None, 0, [dict() for _ in range(case.mesh.size)])
+
+
+def routing_bound_bytes(case):
+  """Bytes the busiest device must send, forward, when tokens move to their experts.
+
+  Device d sends D-wide rows of its items bound for other devices' experts and returns
+  F_out-wide outputs of the items other devices send to its experts: the least any
+  dropless token-moving dispatch of this routing sends from d. Equals `bound_bytes` on
+  average under uniform routing; skew raises it.
+  """
+  n_dev, N, M, L, _, load = _layout(case)
+  f_out = case.size.F if case.level == "kernel" else case.size.D
+  load = load.reshape(N, M, N, L).sum(axis=3)  # [e_src, m, e_dst]
+  own = np.eye(N, dtype=bool)[:, None, :]
+  sent = np.where(own, 0, load).sum(axis=2)  # [e, m] items leaving device (e, m)
+  returned = np.where(own, 0, load).sum(axis=0).T  # [e, m] items others send to (e, m)
+  b = np.dtype(jnp.dtype(case.size.dtype)).itemsize
+  return float(np.max(sent * case.size.D + returned * f_out) * b)

@@ -3,14 +3,18 @@
 One-hot dispatch and combine tensors, `jax.jit` only; XLA turns the change of sharding of the
 dispatched tokens (groups over devices -> experts over devices) into an all-to-all (GShard,
 Lepikhin et al. 2020, section 2.2; MaxText's "dense" MoE path). Each group (here: the
-tokens of one device) gives every expert C = ceil(capacity_factor * S * K / E) slots,
-filled slot-major (every token's first choice before any second choice); items past C are
-dropped. Benchmark baseline only: the library itself never drops unless asked.
+tokens of one device) gives every expert C = `ms.capacity(capacity_factor, S, K, E)` slots
+(the layer's formula, ceil(capacity_factor * S * K / E) computed exactly), filled slot-major
+(every token's first choice before any second choice); items past C are dropped. Benchmark
+baseline only: the library itself never drops unless asked.
+
+`GShard(capacity_factor)` is a dispatch of the library's table signature, so the layer
+runs it with its own router, aux losses and shared experts (`MoEConfig(impl=GShard(1.25))`).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +22,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from moe_shard import layer as layer_lib
-
-
-def capacity(tokens_per_group, k, num_experts, capacity_factor):
-  """Slots per expert per group: ceil(capacity_factor * S * K / E)."""
-  return max(1, math.ceil(capacity_factor * tokens_per_group * k / num_experts))
 
 
 def gshard_moe(x_TD, ffn, experts_TK, weights_TK, *, mesh, capacity_factor):
@@ -45,7 +43,7 @@ def gshard_moe(x_TD, ffn, experts_TK, weights_TK, *, mesh, capacity_factor):
   E = jax.tree.leaves(ffn)[0].shape[0]
   N, M = mesh.shape[ms.EXPERT], mesh.size // mesh.shape[ms.EXPERT]
   S = T // (N * M)
-  C = capacity(S, K, E, capacity_factor)
+  C = ms.capacity(capacity_factor, S, K, E)
   others = tuple(a for a in mesh.axis_names if a != ms.EXPERT) or None
   groups = NamedSharding(mesh, P(ms.EXPERT, others))  # group (n, m) on device (n, m)
   # Expert e's slots of every group on expert device e; a group's data index stays put, so
@@ -64,31 +62,29 @@ def gshard_moe(x_TD, ffn, experts_TK, weights_TK, *, mesh, capacity_factor):
   combine_NMSEC = jnp.einsum("nmks,nmksec->nmsec", w_NMKS, slot_NMKSEC)
   xe_ENMCD = jax.lax.with_sharding_constraint(
       jnp.einsum("nmsec,nmsd->enmcd", dispatch_NMSEC, x_NMSD), by_expert)
-  if isinstance(ffn, ms.SwiGLU):
-    h = jax.nn.silu(jnp.einsum("enmcd,edf->enmcf", xe_ENMCD,
-                               ffn.gate_EDF.astype(x_TD.dtype)))
-    h = h * jnp.einsum("enmcd,edf->enmcf", xe_ENMCD, ffn.up_EDF.astype(x_TD.dtype))
-    ye_ENMCF = jnp.einsum("enmcf,efd->enmcd", h, ffn.down_EFD.astype(x_TD.dtype))
-  else:
-    ye_ENMCF = jnp.einsum("enmcd,edf->enmcf", xe_ENMCD, ffn.w_EDF.astype(x_TD.dtype))
-  ye_ENMCF = jax.lax.with_sharding_constraint(ye_ENMCF, by_expert)
+  # The expert FFN on every (expert, group, slot) at once: i and o are its input and output
+  # widths (D -> F, then F -> D for SwiGLU's down projection).
+  ye_ENMCF = ffn(xe_ENMCD, lambda x, w: jnp.einsum("enmci,eio->enmco", x, w.astype(x.dtype)))
+  ye_ENMCF = jax.lax.with_sharding_constraint(ye_ENMCF.astype(x_TD.dtype), by_expert)
   y_NMSF = jax.lax.with_sharding_constraint(
       jnp.einsum("nmsec,enmcf->nmsf", combine_NMSEC, ye_ENMCF), groups)
   dropped = jnp.sum((mask_NMKSE > 0) & ~keep_NMKSE, dtype=jnp.int32)
   return y_NMSF.reshape(T, -1), dropped
 
 
-def gshard_layer(params, x_BSD, cfg, mesh, capacity_factor):
-  """The layer around `gshard_moe`: the layer's own routing and aux losses, then the einsum
-  dispatch; (y_BSD, aux)."""
-  B, S, D = x_BSD.shape
-  x_TD = x_BSD.reshape(B * S, D)
-  logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
-                         params.router_DE.astype(jnp.float32))
-  routing = layer_lib.route(logits_TE, cfg, mesh)
-  y_TD, dropped = gshard_moe(x_TD, params.experts, routing.experts_TK, routing.weights_TK,
-                             mesh=mesh, capacity_factor=capacity_factor)
-  aux_loss = (cfg.load_balance_coef * ms.load_balancing_loss(routing)
-              + cfg.z_loss_coef * ms.router_z_loss(logits_TE))
-  return y_TD.reshape(B, S, -1), dict(aux_loss=aux_loss, dropped_items=dropped,
-                                      rounds=jnp.ones((), jnp.int32))
+@dataclasses.dataclass(frozen=True)
+class GShard:
+  """The GShard baseline as a dispatch: `(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg)
+  -> (y_TD, {"dropped_items": i32[]})`. Frozen, so a `MoEConfig` holding it stays hashable.
+
+  Attributes:
+    capacity_factor: c > 0 (default 1.25).
+  """
+
+  capacity_factor: float = 1.25
+
+  def __call__(self, x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+    del cfg
+    y_TD, dropped = gshard_moe(x_TD, ffn, experts_TK, weights_TK, mesh=mesh,
+                               capacity_factor=self.capacity_factor)
+    return y_TD, {"dropped_items": dropped}

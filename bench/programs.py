@@ -8,38 +8,30 @@ A case is (level, E, routing) at one size on one mesh:
     biased so that its top-k follows the same skew (a constant input feature whose router
     row is the log-popularity of each expert).
 
-Implementations: "all_to_all" and "all_gather" (shard_map), and the jit-only versions
-"jit_ragged_dot" and "jit_masked_scan" (the local references under `jax.jit` with sharded
-inputs on an Auto mesh: XLA inserts the collectives) and "jit_gshard_einsum"
-(`baselines.gshard_moe`, capacity-factor one-hot einsums).
+Implementations come from the table in `bench/impls.py`: each is a dispatch (a library
+name or a function of the dispatch signature), run through `moe_layer` at layer level and
+directly, with one matrix per expert, at kernel level.
 
 Everything here works on real arrays (CPU/GPU/TPU runs) and on `jax.ShapeDtypeStruct`s
 with shardings (ahead-of-time compiles for a TPU topology): the routing is known on the
-host in both cases, so are the trip counts of the data-dependent loops (`trip_counts`).
+host in both cases (computed here in NumPy, not by the library), so are the trip counts of
+the data-dependent loops (`bench/accounting.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from bench.accounting import loop_trip_counts
-from moe_shard import layer as layer_lib
-from moe_shard import plan as plan_lib
-from moe_shard.parallel import OVERFLOW_SCOPE
 
-from bench import IMPLS, baselines, common
-
-_LAYER_IMPL = {"all_to_all": "all_to_all", "all_gather": "all_gather",
-               "jit_ragged_dot": "ragged_dot", "jit_masked_scan": "masked_scan"}
+from bench import common
+from bench.impls import IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +68,7 @@ class Case:
   experts_TK: np.ndarray
   routed_flops: float
   bound_bytes: float
-  cfg: ms.MoEConfig | None = None
+  cfg: ms.MoEConfig
 
 
 def check_combination(size, E, mesh, level):
@@ -99,6 +91,9 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   N = mesh.shape[ms.EXPERT]
   T, D, F, K = size.T, size.D, size.F, size.K
   dtype = jnp.dtype(size.dtype)
+  # The kernel level reads the dispatch settings (chunk size, expert axis) from it too.
+  cfg = ms.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, param_dtype=dtype,
+                     chunk_size=size.chunk_size)
   tok = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   rng = np.random.default_rng(seed)
   b = dtype.itemsize
@@ -124,10 +119,7 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     args = (put(x, tok, dtype), put(w, exp, dtype), put(experts, tok), put(weights, tok),
             put(dy, tok, dtype))
     return Case(level, E, routing, size, mesh, args, experts,
-                2.0 * D * F * int(np.sum((experts >= 0) & (experts < E))), bound)
-
-  cfg = ms.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, param_dtype=dtype,
-                     chunk_size=size.chunk_size)
+                2.0 * D * F * int(np.sum((experts >= 0) & (experts < E))), bound, cfg)
   B = mesh.size
   x = rng.standard_normal((B, T // B, D), np.float32)
   x[..., 0] = 1.0  # a constant feature: its router row biases the routing
@@ -141,192 +133,61 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     params = jax.tree.map(
         lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)),
         shapes, specs)
-    params = dataclasses.replace(params, router_DE=put(router, rep))
-    # What the compiled program routes: x rounded to its dtype, the router in float32.
-    logits = np.asarray(x.reshape(T, D).astype(dtype), np.float32) @ router
-    experts = np.argsort(-logits, axis=1, kind="stable")[:, :K].astype(np.int32)
   else:
     params = ms.init_moe_params(jax.random.key(seed), cfg, mesh=mesh)
-    params = dataclasses.replace(params, router_DE=put(router, rep, np.float32))
-    experts = _layer_routing(params, put(x, tok, dtype), cfg, mesh)
+  params = dataclasses.replace(params, router_DE=put(router, rep, np.float32))
+  experts = host_top_k(x.reshape(T, D), router, K, dtype)
   args = (params, put(x, tok, dtype), put(draw(B, T // B, D), tok, dtype))
   routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * K
   return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg)
 
 
-def _layer_routing(params, x_BSD, cfg, mesh):
-  """The layer's routing of x, on the host, computed by the layer's own routing code."""
+def host_top_k(x_TD, router_DE, k, dtype):
+  """The layer's routing of x, computed on the host in NumPy (independently of the library).
 
-  @jax.jit
-  def experts(params, x_BSD):
-    x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-    logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
-                        params.router_DE.astype(jnp.float32))
-    return layer_lib.route(logits, cfg, mesh).experts_TK
-
-  return np.asarray(multihost_utils.process_allgather(experts(params, x_BSD), tiled=True))
+  What the compiled program routes: x rounded to its dtype, logits in float32, the k
+  largest (ties: lowest index first, as `lax.top_k`). The bench's own router rows make the
+  margins wide: the skew row alone separates the experts by far more than float32 noise.
+  """
+  logits = np.asarray(np.asarray(x_TD).astype(dtype), np.float32) @ np.asarray(router_DE)
+  return np.argsort(-logits, axis=1, kind="stable")[:, :k].astype(np.int32)
 
 
 def programs(case, impl):
-  """Returns {"fwd": jitted fn, "fwd_bwd": jitted fn} of `impl` on `case`, and a function
-  giving (rounds, dropped) from a forward run."""
+  """Returns {"fwd": jitted fn, "fwd_bwd": jitted fn} of the `impl` entry on `case`.
+
+  Kernel level: (x, w, experts, weights, dy) -> y, or (y, dx, dw, dweights). Layer level:
+  (params, x, dy) -> (y, aux_loss, rounds, dropped_items), or (y, dparams, dx).
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
   mesh = case.mesh
+  dispatch = IMPLS[impl].resolve(case.size)
+  cfg = dataclasses.replace(case.cfg, impl=dispatch)
   if case.level == "kernel":
-    if impl == "all_to_all":
-      fn = functools.partial(ms.moe_all_to_all, mesh=mesh, chunk_size=case.size.chunk_size)
-    elif impl == "all_gather":
-      fn = functools.partial(ms.moe_all_gather, mesh=mesh)
-    elif impl == "jit_ragged_dot":
-      fn = ms.moe_ragged_dot
-    elif impl == "jit_masked_scan":
-      fn = ms.moe_masked_scan
-    elif impl == "jit_gshard_einsum":
-      fn = functools.partial(_kernel_gshard, mesh=mesh, cf=case.size.capacity_factor)
-    else:
-      raise ValueError(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
+    fn = ms.DISPATCHES[dispatch].fn if isinstance(dispatch, str) else dispatch
+
+    def kernel(x, w, e, g):
+      return fn(x, ms.Linear(w_EDF=w), e, g, mesh=mesh, cfg=cfg)[0]
 
     def fwd(x, w, e, g, dy):
-      return fn(x, w, e, g)
+      return kernel(x, w, e, g)
 
     def fwd_bwd(x, w, e, g, dy):
-      y, vjp = jax.vjp(lambda x, w, g: fn(x, w, e, g), x, w, g)
+      y, vjp = jax.vjp(lambda x, w, g: kernel(x, w, e, g), x, w, g)
       return (y, *vjp(dy))
 
     return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(fwd_bwd)}
 
-  if impl == "jit_gshard_einsum":
-    def layer(p, x):
-      return baselines.gshard_layer(p, x, case.cfg, mesh, case.size.capacity_factor)
-  elif impl in _LAYER_IMPL:
-    cfg = dataclasses.replace(case.cfg, impl=_LAYER_IMPL[impl])
-
-    def layer(p, x):
-      return ms.moe_layer(p, x, cfg, mesh=mesh)
-  else:
-    raise ValueError(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
-
   def fwd(p, x, dy):
-    y, aux = layer(p, x)
+    y, aux = ms.moe_layer(p, x, cfg, mesh=mesh)
     return y, aux["aux_loss"], aux["rounds"], aux["dropped_items"]
 
   def fwd_bwd(p, x, dy):
     def outputs(p, x):
-      y, aux = layer(p, x)
+      y, aux = ms.moe_layer(p, x, cfg, mesh=mesh)
       return y, aux["aux_loss"]
     (y, _), vjp = jax.vjp(outputs, p, x)
     return (y, *vjp((dy, jnp.ones((), jnp.float32))))
 
   return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(fwd_bwd)}
-
-
-def _kernel_gshard(x, w, e, g, *, mesh, cf):
-  return baselines.gshard_moe(x, ms.Linear(w_EDF=w), e, g, mesh=mesh, capacity_factor=cf)[0]
-
-
-def rounds_and_dropped(case, impl):
-  """(rounds, dropped items) of `impl` on `case`, from the host routing (no device run)."""
-  N = case.mesh.shape[ms.EXPERT]
-  T, K = case.size.T, case.size.K
-  if impl == "all_to_all":
-    load = _device_loads(case)
-    chunks = plan_lib.default_chunks(T // case.mesh.size, K, N, case.size.chunk_size)
-    queues = load.reshape(load.shape[0], N, -1).sum(axis=2)
-    return int(chunks.rounds(int(queues.max()))), 0
-  if impl == "jit_gshard_einsum":  # each device's tokens are a group; C slots per expert
-    C = baselines.capacity(T // case.mesh.size, K, case.E, case.size.capacity_factor)
-    return 1, int(np.maximum(_device_loads(case) - C, 0).sum())
-  return 1, 0
-
-
-def routing_bound_bytes(case):
-  """Bytes the busiest device must send, forward, when tokens move to their experts.
-
-  Device d sends D-wide rows of its items bound for other devices' experts and returns
-  F_out-wide outputs of the items other devices send to its experts: the least any
-  dropless token-moving dispatch of this routing sends from d. Equals `bound_bytes` on
-  average under uniform routing; skew raises it.
-  """
-  mesh = case.mesh
-  N = mesh.shape[ms.EXPERT]
-  M = mesh.size // N
-  L = case.E // N
-  f_out = case.size.F if case.level == "kernel" else case.size.D
-  load = _device_loads(case).reshape(N, M, N, L).sum(axis=3)  # [e_src, m, e_dst]
-  own = np.eye(N, dtype=bool)[:, None, :]
-  sent = np.where(own, 0, load).sum(axis=2)  # [e, m] items leaving device (e, m)
-  returned = np.where(own, 0, load).sum(axis=0).T  # [e, m] items others send to (e, m)
-  b = jnp.dtype(case.size.dtype).itemsize
-  return float(np.max(sent * case.size.D + returned * f_out) * b)
-
-
-def _device_loads(case):
-  """int[devices, E]: items each device's tokens route to each expert (token blocks in
-  mesh order: the sharding P(all axes))."""
-  E = case.E
-  n_dev = case.mesh.size
-  e = case.experts_TK.reshape(n_dev, -1)
-  load = np.zeros((n_dev, E), np.int64)
-  for d in range(n_dev):
-    valid = e[d][(e[d] >= 0) & (e[d] < E)]
-    load[d] = np.bincount(valid, minlength=E)
-  return load
-
-
-def trip_counts(case, impl, on_tpu=False):
-  """Per-device {scope path: total iterations} of the data-dependent loops of `impl`.
-
-  Returns a list with one dict per device (mesh order). The grouped matmul's loops exist
-  only where its "auto" picks the tiled kernel (not on TPU); their counts then come from
-  the group sizes each device's kernel sees, per round for the all_to_all (round 0 outside
-  the overflow loop, later rounds inside it).
-  """
-  mesh = case.mesh
-  n_dev = mesh.size
-  N = mesh.shape[ms.EXPERT]
-  M = n_dev // N  # devices along the other axes; device index = e * M + m
-  L = case.E // N
-  T, K = case.size.T, case.size.K
-  T_dev = T // n_dev
-  load = _device_loads(case)  # [devices, E]
-  out = [dict() for _ in range(n_dev)]
-
-  def add(d, counts, prefix=""):
-    if on_tpu:
-      return
-    for k, v in counts.items():
-      out[d][prefix + k] = out[d].get(prefix + k, 0) + v
-
-  if impl == "all_to_all":
-    chunks = plan_lib.default_chunks(T_dev, K, N, case.size.chunk_size)
-    queues = load.reshape(n_dev, N, L)  # [source, destination, local expert]
-    rounds = int(chunks.rounds(int(queues.sum(axis=2).max())))
-    ends = np.cumsum(queues, axis=2)
-    starts = ends - queues
-    for r in range(rounds):
-      lo = 0 if r == 0 else chunks.start(r)
-      C = chunks.first if r == 0 else chunks.overflow
-      got = np.clip(np.minimum(ends, lo + C) - np.maximum(starts, lo), 0, None)
-      for dst in range(n_dev):
-        e_dst, m = divmod(dst, M)
-        srcs = [e_src * M + m for e_src in range(N)]
-        sizes = got[srcs, e_dst].sum(axis=0)
-        add(dst, loop_trip_counts(sizes, N * C), "" if r == 0 else OVERFLOW_SCOPE + "/")
-    for d in range(n_dev):
-      out[d][OVERFLOW_SCOPE] = rounds - 1
-      # The loops inside the overflow loop run 0 times when it never runs.
-      add(d, dict.fromkeys(loop_trip_counts(np.zeros(L, int), N * chunks.overflow), 0),
-          OVERFLOW_SCOPE + "/")
-  elif impl == "all_gather":
-    for dst in range(n_dev):
-      e_dst, m = divmod(dst, M)
-      srcs = [e_src * M + m for e_src in range(N)]
-      sizes = load[srcs][:, e_dst * L:(e_dst + 1) * L].sum(axis=0)
-      add(dst, loop_trip_counts(sizes, N * T_dev * K))
-  elif impl == "jit_masked_scan":  # a scan over the E experts
-    for d in range(n_dev):
-      out[d]["moe_masked_scan"] = case.E
-  elif impl == "jit_ragged_dot":
-    counts = loop_trip_counts(load.sum(axis=0), T * K)
-    for d in range(n_dev):
-      add(d, counts)
-  return out

@@ -1,0 +1,153 @@
+"""The benchmark's command line: flags, presets and their checks (no JAX needed).
+
+A bad flag or an impossible combination raises `UsageError`: one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bench import LEVELS, MODES, ROUTINGS
+
+PRESETS = {
+    # jit_ragged_dot is left out of the default (XLA replicates its work on every device:
+    # 8x the FLOPs and 3x the time of the next slowest); --impls or --sweep include it.
+    "default": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8",
+                    routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2,
+                    impls="all_to_all,all_gather,jit_masked_scan,jit_gshard_einsum"),
+    "quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
+                  routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
+    "sweep": dict(tokens=4096, d_model=256, d_ff=512, top_k=2, experts="8,64",
+                  routing="uniform,zipf,hot_expert,one_device", levels="kernel,layer",
+                  modes="fwd,fwd_bwd", repeats=2),
+    "tpu": dict(tokens=32768, d_model=2048, d_ff=4096, top_k=2, experts="8,64",
+                routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=0),
+    "tpu_quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
+                      routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd",
+                      repeats=0),
+}
+
+
+class UsageError(Exception):
+  """A bad flag or an impossible combination: one line on stderr, exit code 2."""
+
+
+def parser():
+  from bench import distributed
+  from bench import cli
+  p = argparse.ArgumentParser(
+      prog="python -m bench", description=cli.__doc__.split("\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="Presets (flags given override them): " + "; ".join(
+          f"{k}: T={v['tokens']} D={v['d_model']} F={v['d_ff']} E={v['experts']} "
+          f"routing={v['routing']} levels={v['levels']}" for k, v in PRESETS.items()))
+  g = p.add_mutually_exclusive_group()
+  g.add_argument("--quick", action="store_true", help="small sizes, about a minute")
+  g.add_argument("--sweep", action="store_true", help="the full matrix (tens of minutes)")
+  p.add_argument("--tpu", metavar="TOPOLOGY",
+                 help="compile for a TPU topology (e.g. v5e:2x4) without running; needs "
+                      "the tpu extra. Default sizes T=32768 D=2048 F=4096 bf16")
+  p.add_argument("-T", "--tokens", type=int, help="tokens in all (B*S)")
+  p.add_argument("-D", "--d-model", type=int)
+  p.add_argument("-F", "--d-ff", type=int, help="expert width (kernel: the matrix's F)")
+  p.add_argument("-K", "--top-k", type=int)
+  p.add_argument("-E", "--experts", help="comma-separated, e.g. 8,64")
+  p.add_argument("--mesh", help="EXPERTxDATA, e.g. 8x1 (default: all devices on expert)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                 help="default float32 (bfloat16 with --tpu)")
+  p.add_argument("--routing", help="comma-separated from uniform, zipf, hot_expert, "
+                                   "one_device")
+  p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent (default 1.2)")
+  p.add_argument("--impls", help="comma-separated from " + ", ".join(_impl_names()))
+  p.add_argument("--levels", help="comma-separated from layer, kernel")
+  p.add_argument("--modes", help="comma-separated from fwd, fwd_bwd")
+  p.add_argument("--repeats", type=int, help="timed runs per program after a warm-up")
+  p.add_argument("--capacity-factor", type=float, default=1.25,
+                 help="jit_gshard_einsum's capacity factor (default 1.25)")
+  p.add_argument("--chunk-size", type=int, help="all_to_all's slots per pair and round")
+  p.add_argument("--devices", type=int,
+                 help="simulated CPU devices in all, when JAX finds only a CPU (default 8)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", metavar="STEM",
+                 help="write STEM.json, STEM.csv and STEM.md (machine and argv recorded)")
+  p.add_argument("--json", metavar="PATH")
+  p.add_argument("--csv", metavar="PATH")
+  p.add_argument("--plot", metavar="PNG", help="bar charts of time and bytes (matplotlib)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+  p.add_argument("--from-json", metavar="PATH",
+                 help="measure nothing: print (and with --out/--csv/--plot, write) the tables "
+                      "and plot of a results file written before")
+  distributed.add_arguments(p)
+  return p
+
+
+def _list(value, allowed, what):
+  items = [v.strip() for v in value.split(",") if v.strip()]
+  bad = [v for v in items if v not in allowed]
+  if bad or not items:
+    raise UsageError(f"unknown {what} {', '.join(bad) or repr(value)}; choose from "
+                     f"{', '.join(allowed)}")
+  return items
+
+
+def _ints(value, what):
+  try:
+    items = [int(v) for v in value.split(",")]
+  except ValueError:
+    raise UsageError(f"{what} must be comma-separated integers (got {value!r})") from None
+  if any(v < 1 for v in items):
+    raise UsageError(f"{what} must be >= 1 (got {value!r})")
+  return items
+
+
+def settings(a):
+  """Merges the preset with the flags; validates what needs no JAX."""
+  preset = ("tpu_quick" if a.quick else "tpu") if a.tpu else (
+      "quick" if a.quick else "sweep" if a.sweep else "default")
+  s = dict(PRESETS[preset], preset=preset)
+  for key in ("tokens", "d_model", "d_ff", "top_k", "experts", "routing", "levels", "modes",
+              "repeats"):
+    if getattr(a, key) is not None:
+      s[key] = getattr(a, key)
+  for key in ("tokens", "d_model", "d_ff", "top_k"):
+    if s[key] < 1:
+      raise UsageError(f"--{key.replace('_', '-')} must be >= 1 (got {s[key]})")
+  if s["repeats"] < (0 if a.tpu else 1):
+    raise UsageError(f"--repeats must be >= 1 (got {s['repeats']})")
+  s["experts"] = _ints(str(s["experts"]), "--experts")
+  s["routing"] = _list(s["routing"], ROUTINGS, "routing")
+  s["levels"] = _list(s["levels"], LEVELS, "level")
+  s["modes"] = _list(s["modes"], MODES, "mode")
+  names = _impl_names()
+  s["impls"] = _list(a.impls or s.get("impls") or ",".join(names), names, "impl")
+  s["dtype"] = a.dtype or ("bfloat16" if a.tpu else "float32")
+  if a.capacity_factor <= 0:
+    raise UsageError(f"--capacity-factor must be > 0 (got {a.capacity_factor})")
+  if a.chunk_size is not None and a.chunk_size < 1:
+    raise UsageError(f"--chunk-size must be >= 1 (got {a.chunk_size})")
+  if a.num_processes < 1:
+    raise UsageError(f"--num-processes must be >= 1 (got {a.num_processes})")
+  if a.devices is not None and a.devices < 1:
+    raise UsageError(f"--devices must be >= 1 (got {a.devices})")
+  if a.mesh is not None:
+    mesh_sizes(a.mesh)
+  return s
+
+
+def mesh_sizes(spec):
+  """"8x1" -> (8, 1): devices on the expert axis and on the data axis."""
+  try:
+    n_e, n_d = (int(v) for v in spec.split("x"))
+  except ValueError:
+    n_e = n_d = 0
+  if n_e < 1 or n_d < 1:
+    raise UsageError(f"--mesh must be EXPERTxDATA with positive sizes, e.g. 8x1 "
+                     f"(got {spec!r})")
+  return n_e, n_d
+
+
+def _impl_names():
+  from bench.impls import IMPLS  # imports jax, which is fine: no backend starts here
+  return tuple(IMPLS)
+
+

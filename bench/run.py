@@ -1,0 +1,231 @@
+"""Running the benchmark: the devices and mesh, compiling, measuring and timing each case.
+
+Every implementation of a case (`bench/impls.py`) gets the same sharded inputs
+(`bench/programs.py`); FLOPs and bytes are read from the compiled program (`bench/measure.py`)
+with the loop counts of `bench/accounting.py`; forward outputs are checked against an
+independent NumPy reference (`bench/reference.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+from bench.flags import UsageError, mesh_sizes
+
+def ask_for_devices(count, num_processes):
+  """Asks XLA for simulated CPU devices before JAX starts: `count` (default 8) in all, split
+  over the processes. Raises UsageError when JAX, or XLA_FLAGS, already fixed another count."""
+  flag = "--xla_force_host_platform_device_count"
+  local = max(1, (count or 8) // num_processes)
+  if backend_started():
+    import jax
+    have = jax.local_device_count()
+    if count is not None and jax.default_backend() == "cpu" and have != local:
+      raise UsageError(f"--devices {count}: JAX is already initialised with {have} CPU "
+                       "devices in this process; ask for them before JAX starts")
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  m = re.search(flag + r"=(\d+)", flags)
+  if m is None:
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}={local}".strip()
+  elif count is not None and int(m.group(1)) != local:
+    raise UsageError(f"--devices {count} asks for {local} CPU devices per process but "
+                     f"XLA_FLAGS sets {flag}={m.group(1)}")
+
+
+def backend_started():
+  if "jax" not in sys.modules:
+    return False
+  from jax._src import xla_bridge
+  return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def make_mesh(spec, devices):
+  """The (expert, data) Auto mesh of `--mesh` ("8x1"; default: every device on expert)."""
+  import jax
+  import numpy as np
+  import moe_shard as ms
+  n = len(devices)
+  n_e, n_d = mesh_sizes(spec) if spec else (n, 1)
+  if n_e * n_d > n:
+    hint = ("" if spec is None else
+            "; JAX was initialised with fewer devices, or set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts")
+    raise UsageError(f"mesh {n_e}x{n_d} needs {n_e * n_d} devices, found {n}{hint}")
+  grid = np.array(devices[:n_e * n_d], dtype=object).reshape(n_e, n_d)
+  return jax.sharding.Mesh(grid, (ms.EXPERT, ms.DATA),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+class Progress:
+  """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
+
+  def __init__(self, total, enabled):
+    self.total, self.done, self.enabled = total, 0, enabled
+    self.t0 = time.perf_counter()
+    self.tty = sys.stderr.isatty()
+
+  def step(self, what):
+    self.done += 1
+    if not self.enabled:
+      return
+    frac = self.done / max(self.total, 1)
+    bar = "#" * int(24 * frac)
+    line = (f"[{bar:<24}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.0f}s "
+            f"{what}")
+    if self.tty:
+      sys.stderr.write("\r" + line[:120].ljust(120))
+      if self.done == self.total:
+        sys.stderr.write("\n")
+    else:
+      sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def run(s, a, mesh, progress_enabled, tpu_topology=None):
+  """Measures every (level, E, routing) case; returns the rows."""
+  from bench import accounting, common, measure, tpu
+  from bench import programs as progs
+  from bench.impls import IMPLS
+
+  size = progs.Size(T=s["tokens"], D=s["d_model"], F=s["d_ff"], K=s["top_k"],
+                    dtype=s["dtype"], capacity_factor=a.capacity_factor, zipf_s=a.zipf_s,
+                    chunk_size=a.chunk_size)
+  cases = [(lv, E, r) for lv in s["levels"] for E in s["experts"] for r in s["routing"]]
+  for lv, E, _ in cases:  # every impossible combination before any work
+    try:
+      progs.check_combination(size, E, mesh, lv)
+    except ValueError as err:
+      raise UsageError(str(err)) from None
+  n_prog = len(s["impls"]) * len(s["modes"])
+  per_case = n_prog + (n_prog if tpu_topology else s["repeats"] + 2)
+  bar = Progress(len(cases) * per_case, progress_enabled)
+  rows = []
+  mesh_name = "x".join(str(mesh.shape[k]) for k in mesh.axis_names)
+  for level, E, routing in cases:
+    case = progs.make_case(level, E, routing, size, mesh, abstract=bool(tpu_topology),
+                           seed=a.seed)
+    timed = []
+    case_rows = []
+    kept = {}
+    routing_bound = accounting.routing_bound_bytes(case)
+    for impl in s["impls"]:
+      fns = progs.programs(case, impl)
+      acc = IMPLS[impl].accounting(case, on_tpu=bool(tpu_topology))
+      rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
+      kept[impl] = acc.kept
+      for mode in s["modes"]:
+        args = case.args
+        base = dict(level=level, impl=impl, E=E, routing=routing, mode=mode, T=size.T,
+                    D=size.D, F=size.F, K=size.K, dtype=size.dtype, mesh=mesh_name,
+                    devices=mesh.size, **({"topology": tpu_topology} if tpu_topology else {}))
+        t0 = time.perf_counter()
+        try:
+          compiled = fns[mode].lower(*args).compile()
+        except Exception as err:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED: does not fit
+          case_rows.append(dict(base, error=_one_line(err)))
+          bar.step(f"failed {level} E={E} {routing} {impl} {mode}")
+          if tpu_topology:
+            bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
+          continue
+        compile_s = time.perf_counter() - t0
+        bar.step(f"compiled {level} E={E} {routing} {impl} {mode}")
+        passes = 1 if mode == "fwd" else 3
+        executed, busiest = _executed_flops(compiled, trips)
+        # Every device sends the same slots in every round: device 0's counts serve.
+        coll = _counted(measure.collective_bytes, compiled, trips[0])
+        approx = bool(coll.pop("loop_counted_once", False) or busiest.get("loop_counted_once"))
+        wire = sum(c["wire_bytes"] for c in coll.values())
+        passes_bytes = 1 if mode == "fwd" else 2  # forward, and the backward's reverse
+        bound = case.bound_bytes * passes_bytes
+        row = dict(base, compile_s=compile_s,
+                   routed_flops=case.routed_flops * passes,
+                   executed_flops=executed,
+                   flops_ratio=executed / (case.routed_flops * passes),
+                   wire_bytes=wire,
+                   bytes_over_bound=wire / bound if bound else None,
+                   bytes_over_routing_bound=(wire / (routing_bound * passes_bytes)
+                                             if routing_bound else None),
+                   collectives={k: c["wire_bytes"] for k, c in coll.items()},
+                   temp_bytes=measure.memory_bytes(compiled)["temp"],
+                   rounds=rounds, dropped=dropped,
+                   **({"loop_counted_once": True} if approx else {}))
+        if tpu_topology:
+          row.update(tpu.estimates(compiled, busiest, wire, tpu_topology))
+          bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
+        else:
+          timed.append((compiled, args, row))
+        case_rows.append(row)
+    if not tpu_topology:
+      times = common.time_in_turns(
+          [(c, args) for c, args, _ in timed], s["repeats"],
+          on_turn=lambda i: bar.step(f"{'warmed up' if i == 0 else f'timed turn {i}'} "
+                                     f"{level} E={E} {routing}"))
+      for (compiled, args, row), t in zip(timed, times):
+        row["time_s"] = t
+        row["gflops"] = row["routed_flops"] / t["median"] / 1e9
+      _errors(case, case_rows, timed, kept)
+      bar.step(f"checked {level} E={E} {routing}")
+    rows += case_rows
+  return rows
+
+
+def _one_line(err):
+  """The first line of an exception's message, with its type."""
+  text = str(err).strip().splitlines()
+  return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _counted(fn, compiled, trips):
+  """`fn(compiled, trips)`; a loop XLA wrote with no trip count it shows (and none of ours)
+  is counted as running once per entry, and the result says so ("loop_counted_once")."""
+  try:
+    return fn(compiled, trips)
+  except ValueError:
+    out = fn(compiled, trips, default_trip_count=1)
+    return dict(out, loop_counted_once=True) if isinstance(out, dict) else out
+
+
+def _executed_flops(compiled, trips):
+  """(FLOPs executed summed over devices, `executed_flops` of the busiest device), from
+  each device's trip counts (devices with equal counts share one evaluation)."""
+  from bench import measure
+  by_counts = {}
+  for t in trips:
+    key = tuple(sorted(t.items()))
+    if key not in by_counts:
+      by_counts[key] = _counted(measure.executed_flops, compiled, t)
+  per_device = [by_counts[tuple(sorted(t.items()))] for t in trips]
+  return (sum(f["executed"] for f in per_device),
+          max(per_device, key=lambda f: f["executed"]))
+
+
+def _errors(case, rows, timed, kept):
+  """Max |y - reference| of each forward, the reference computed in NumPy from the host
+  routing (`bench/reference.py`) without the items each implementation drops (`kept`:
+  impl -> bool[T, K] or None); the layer's reported rounds and drops are recorded beside."""
+  import jax
+  import numpy as np
+  from bench import reference
+  if jax.process_count() > 1:
+    return  # the outputs are not all on this process
+  host = [np.asarray(jax.device_get(v)) if not hasattr(v, "router_DE") else
+          jax.tree.map(lambda a: np.asarray(jax.device_get(a)), v) for v in case.args]
+  refs = {}
+  for compiled, args, row in timed:
+    if row["mode"] != "fwd":
+      continue
+    keep = kept.get(row["impl"])
+    key = None if keep is None else keep.tobytes()
+    if key not in refs:
+      refs[key] = (reference.kernel(*host[:4], kept=keep) if case.level == "kernel" else
+                   reference.layer(host[0], host[1], case.cfg, case.experts_TK, kept=keep))
+    out = compiled(*args)
+    y = out if case.level == "kernel" else out[0]
+    if case.level == "layer":  # what the layer reports, against the host's count
+      row["rounds_reported"], row["dropped_reported"] = int(out[2]), int(out[3])
+    got = np.asarray(jax.device_get(y), np.float32)
+    row["max_abs_err"] = float(np.max(np.abs(got - refs[key])))
