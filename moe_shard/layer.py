@@ -226,14 +226,14 @@ def _token_parallel_router(cfg, mesh):
 def shared_experts(shared, x_TD):
   """Sums the shared SwiGLU experts over every token: f32[T, D].
 
-  The leaves have the shared-expert axis first (written `e` in the einsums).
+  The leaves have the shared-expert axis first (written `e` in the einsums): every token
+  goes through every shared expert, and the down projection sums over them.
   """
-  w = jax.tree.map(lambda a: a.astype(x_TD.dtype), shared)
-  f32 = dict(preferred_element_type=jnp.float32)
-  g_TEF = jnp.einsum("td,edf->tef", x_TD, w.gate_EDF, **f32)
-  u_TEF = jnp.einsum("td,edf->tef", x_TD, w.up_EDF, **f32)
-  h_TEF = (jax.nn.silu(g_TEF) * u_TEF).astype(x_TD.dtype)
-  return jnp.einsum("tef,efd->td", h_TEF, w.down_EFD, **f32)
+  def matmul(x, w):  # [T, D] @ [e, D, F] -> [T, e, F], then [T, e, F] @ [e, F, D] -> [T, D]
+    spec = "td,edf->tef" if x.ndim == 2 else "tef,efd->td"
+    return jnp.einsum(spec, x, w.astype(x_TD.dtype), preferred_element_type=jnp.float32)
+
+  return shared(x_TD, matmul)
 
 
 def moe_layer(params, x_BSD, cfg, mesh=None):

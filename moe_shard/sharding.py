@@ -174,6 +174,8 @@ def flatten_tokens(x_BSD, mesh):
   B, S, D = x_BSD.shape
   if mesh is None or AxisType.Explicit not in mesh.axis_types:
     return x_BSD.reshape(B * S, D)
+  if not explicit_mesh(x_BSD)[1]:  # not on the mesh yet: merge, then place
+    return place(x_BSD.reshape(B * S, D), mesh, _token_sharding(mesh, B * S).spec)
   return jax.lax.reshape(x_BSD, (B * S, D), out_sharding=_token_sharding(mesh, B * S))
 
 
@@ -183,9 +185,9 @@ def unflatten_tokens(y_TD, x_BSD, mesh):
   shape = (B, S, y_TD.shape[-1])
   if mesh is None or AxisType.Explicit not in mesh.axis_types:
     return y_TD.reshape(shape)
-  ref_mesh, axes = explicit_mesh(x_BSD)
-  if axes:
-    out = NamedSharding(mesh, jax.typeof(x_BSD).sharding.spec)
-  else:  # x was not on the mesh: its batch split over the mesh when it divides, else whole
-    out = NamedSharding(mesh, token_spec(mesh) if B % mesh.size == 0 else P())
-  return jax.lax.reshape(y_TD, shape, out_sharding=out)
+  if explicit_mesh(x_BSD)[1]:
+    return jax.lax.reshape(y_TD, shape,
+                           out_sharding=NamedSharding(mesh, jax.typeof(x_BSD).sharding.spec))
+  # x was not on the mesh: its batch split over the mesh when it divides, else whole.
+  y_TD = place(y_TD, mesh, token_spec(mesh) if B % mesh.size == 0 else P())
+  return y_TD.reshape(shape)

@@ -517,3 +517,27 @@ def test_layer_input_errors(mesh):
       kwargs["params"] = ms.moe_param_shapes(kwargs["cfg"])
     with pytest.raises(error, match="^" + re.escape(message)):
       call(**kwargs)
+
+
+# --------------------------------------------------------------------------- any (B, S)
+
+# B below the device count, B * S not dividing it, S of one: the layer flattens [B, S] into
+# tokens and back on both axis types (on an Explicit mesh a reshape must be told its output
+# sharding when B alone cannot carry the tokens' split).
+BATCH_SHAPES = [(4, 16), (8, 16), (1, 8), (3, 5), (2, 3), (16, 1)]
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_every_batch_shape_on_both_axis_types(axis_type):
+  kind = AxisType.Explicit if axis_type == "explicit" else AxisType.Auto
+  mesh2x4 = jax.make_mesh((2, 4), (ms.DATA, ms.EXPERT), axis_types=(kind,) * 2)
+  cfg = config(num_shared_experts=0)
+  params = ms.init_moe_params(jax.random.key(0), cfg, mesh=mesh2x4)
+  local = jax.jit(lambda p, x: ms.moe_layer(p, x, cfg)[0])
+  on_mesh = jax.jit(lambda p, x: ms.moe_layer(p, x, cfg, mesh=mesh2x4)[0])
+  for i, (b, s) in enumerate(BATCH_SHAPES):
+    x_BSD = tokens(i, (b, s, D))
+    want = local(jax.device_get(params), x_BSD)
+    for y in (on_mesh(params, x_BSD), ms.moe_layer(params, x_BSD, cfg, mesh=mesh2x4)[0]):
+      assert y.shape == (b, s, D) and y.dtype == x_BSD.dtype, (b, s)
+      assert_close(y, want, jnp.float32, f"B={b} S={s} {axis_type}")
