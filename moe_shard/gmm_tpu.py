@@ -3,30 +3,28 @@
     y[m] = x[m] @ w[g(m)]   for m < sum(group_sizes), rows of group g contiguous
     y[m] = 0                for m >= sum(group_sizes)
 
-Forward `gmm(x, w)`, backward dx = `gmm(dy, w, transpose_rhs=True)` and dw = `tgmm(x^T, dy)`
+Forward `gmm(x, w)`; backward dx = `gmm(dy, w, transpose_rhs=True)`, dw = `tgmm(x^T, dy)`
 (`jax.experimental.pallas.ops.tpu.megablox`, wired by our own `custom_vjp` as its `ops.py`
-does). Each kernel walks only the row tiles that hold a group's rows (a tile that two groups
-share is visited once per group), so all three do the routed FLOPs, plus at most one tile of
-`tm` rows per group boundary that falls inside a tile. Shapes megablox does not take as is:
+does). Each kernel visits only the row tiles that hold a group's rows, once per group (a
+tile two groups share is multiplied twice): the routed FLOPs plus at most one tile per
+group boundary inside a tile. What megablox does not take as is:
 
   * M: padded with zero rows to a multiple of the row tile `tm` (megablox requires it).
-  * D, F: padded with zeros to multiples of the column tiles (themselves multiples of 128,
-    the width of the MXU and of a vector register); outputs and dw are sliced back. Zero
-    columns add nothing to a product, but the padding copies x and w once per call: keep
-    D and F multiples of 128 (model widths are) and no copy is made.
-  * Rows past sum(group_sizes): megablox never writes them (its output buffer there is
-    uninitialised: NaN in interpret mode), so y and dx are masked to zero with a `where`.
-    Group sizes are clipped so that they end by M (rows past M belong to no group).
+  * D, F: zero-padded to multiples of the column tiles (multiples of 128, the MXU's width);
+    y and dw are sliced back. The padding copies x and w on every call: keep D and F
+    multiples of 128 (model widths are) and no copy is made.
+  * Rows past sum(group_sizes): megablox never writes them (uninitialised; NaN in interpret
+    mode), so y and dx are zeroed with a `where` (fused into y's consumer by XLA). Group
+    sizes are clipped to end by M: rows past M belong to no group.
+  * `jax.shard_map` with check_vma: megablox's pallas_calls declare outputs without mesh-axis
+    types, which Pallas rejects there; they are traced with JAX's internal check_vma flag
+    off and their outputs cast to vary like the inputs. Inputs that do not vary (e.g.
+    replicated w) are cast to varying first, as in `grouped_matmul`, so a replicated w's
+    gradient comes back summed over the devices.
 
-Inside `jax.shard_map` (check_vma), inputs that do not vary over a mesh axis (e.g.
-replicated w) are cast to varying first, as in `grouped_matmul`, so the custom_vjp sees
-operands and cotangents of one type; JAX transposes the cast into the psum. megablox's
-pallas_calls declare outputs without mesh-axis types, which Pallas rejects under check_vma:
-they are traced with that check off and their outputs cast back (`_kernels_in_shard_map`).
-
-megablox also takes `group_offset` (compute groups [offset, offset + rhs groups) of the
-group sizes, with rhs holding only those: the local experts of a device) and `existing_out`
-(accumulate into an aliased output); neither is part of this backend's contract.
+megablox also takes `group_offset` (groups [offset, offset + rhs groups) of the sizes, rhs
+holding only those: a device's local experts) and `existing_out` (accumulate into an
+aliased output); neither is part of this backend's contract.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 LANES = 128  # width of the MXU and of a vector register: tk, tn are multiples of it
 MAX_ROW_TILE = 512
-ROW_TILE = 256  # bf16: 2*tm*D*F FLOPs per D*F*2 bytes of w[g] = tm FLOP/byte; v5e needs ~240
+ROW_TILE = 256
 MAX_COL_TILE = 1024
 VMEM_BUDGET = 12 * 2**20  # of the 16 MiB of VMEM Mosaic lets a kernel use by default on v5e
 DTYPES = (jnp.bfloat16, jnp.float32)  # what megablox's kernels accept
@@ -62,11 +60,10 @@ def _lane_tile(n, cap):
 
 
 def vmem_bytes(tm, tk, tn, itemsize):
-  """VMEM the largest of the three kernels holds: double-buffered blocks plus f32 scratch.
+  """VMEM bytes of the largest of the three kernels: blocks double-buffered, f32 scratch.
 
-  fwd gmm: x[tm, tk], w[tk, tn] in, y[tm, tn] out (f32 at worst), acc f32[tm, tn]; dx gmm:
-  the same with tk and tn swapped and out in x's dtype; tgmm: x[tm, tk], dy[tm, tn] in,
-  dw[tk, tn] out in w's dtype, acc f32[tk, tn].
+  fwd: x[tm, tk], w[tk, tn], y[tm, tn] (f32 at worst), acc[tm, tn]; dx: the same with tk,
+  tn swapped, dx in x's dtype; tgmm: x[tm, tk], dy[tm, tn], dw[tk, tn], acc[tk, tn].
   """
   b = itemsize
   fwd = 2 * b * (tm * tk + tk * tn) + (2 * 4 + 4) * tm * tn
@@ -78,14 +75,14 @@ def vmem_bytes(tm, tk, tn, itemsize):
 def default_tiling(M, D, F, dtype, *, num_groups=1):
   """Picks megablox's tiles (tm, tk, tn) for x: dtype[M, D] and w: dtype[G, D, F].
 
-  Rule: tm = 512 rows when (G - 1) * 512 <= M / 4, else 256, and at most M rounded up to
-  128. Each group boundary inside a row tile costs one extra tile visit, so the bound on
-  recomputed rows, (G - 1) * tm, stays under a quarter of M with 512; below 256 rows the
-  kernel would wait on HBM, since each tile reads its group's [tk, tn] weight block once
-  (bf16: tm FLOP per byte, against ~240 for v5e's 197 TFLOP/s over 819 GB/s). tk and tn:
-  the largest multiple of 128 that divides D (F) rounded up to 128, at most 1024 (fewer
-  re-reads of x, fewer grid steps), the larger one lowered until `vmem_bytes` fits in
-  VMEM_BUDGET (12 of v5e's 16 MiB default scoped VMEM; f32 inputs get 512-wide tiles).
+  Rule: tm = 512 rows if (G - 1) * 512 <= 3M/4, else 256, at most M rounded up to 128.
+  Why: each row tile reads its group's whole w[g] from HBM, 2*tm*D*F FLOPs per 2*D*F bytes
+  (bf16), tm FLOP/byte against v5e's ~240 (197 TFLOP/s / 819 GB/s); with x and y traffic a
+  256-row tile is HBM-bound and takes ~0.64 of a 512-row one (D=2048, F=4096). But each
+  group boundary inside a tile costs one more tile (up to G - 1): (M/512 + G - 1) * 1 and
+  (M/256 + G - 1) * 0.64 cross at (G - 1) * 512 ~ 0.8 M. tk, tn: the largest multiple of
+  128 dividing D (F) rounded up to 128, at most 1024 (fewer re-reads of x, fewer grid
+  steps), the larger one lowered until `vmem_bytes` fits VMEM_BUDGET (f32: tk = 512).
 
   Args:
     M, D, F: problem sizes (ints).
@@ -93,10 +90,10 @@ def default_tiling(M, D, F, dtype, *, num_groups=1):
     num_groups: G (default 1).
 
   Returns:
-    (tm, tk, tn): ints; tk, tn multiples of 128, tm a multiple of 128.
+    (tm, tk, tn): ints, multiples of 128.
   """
   b = jnp.dtype(dtype).itemsize
-  tm = MAX_ROW_TILE if (num_groups - 1) * MAX_ROW_TILE <= M // 4 else ROW_TILE
+  tm = MAX_ROW_TILE if 4 * (num_groups - 1) * MAX_ROW_TILE <= 3 * M else ROW_TILE
   tm = min(tm, _round_up(max(M, 1), LANES))
   tk, tn = _lane_tile(D, MAX_COL_TILE), _lane_tile(F, MAX_COL_TILE)
   while vmem_bytes(tm, tk, tn, b) > VMEM_BUDGET and max(tk, tn) > LANES:
@@ -109,7 +106,7 @@ def default_tiling(M, D, F, dtype, *, num_groups=1):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _gmm(x_PD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
-  with _kernels_in_shard_map(x_PD, w_GDF, group_sizes_G):
+  with _no_vma_check():
     y_PF = _mb.gmm(x_PD, w_GDF, group_sizes_G, out_dtype, tiling, interpret=interpret)
   (y_PF,) = _vary_like(_varying_axes(x_PD), y_PF)
   return _zero_past_groups(y_PF, group_sizes_G)
@@ -125,7 +122,7 @@ def _gmm_bwd(out_dtype, tiling, interpret, res, dy_PF):
   x_PD, w_GDF, group_sizes_G = res
   tm, tk, tn = tiling
   dy_PF = dy_PF.astype(x_PD.dtype)  # bf16 in, bf16 products (f32 accumulation)
-  with _kernels_in_shard_map(x_PD, w_GDF, group_sizes_G, dy_PF):
+  with _no_vma_check():
     # dx = dy @ w[g]^T: contraction over F (tile tn), output columns over D (tile tk).
     dx_PD = _mb.gmm(dy_PF, w_GDF, group_sizes_G, x_PD.dtype, (tm, tn, tk),
                     transpose_rhs=True, interpret=interpret)
@@ -165,7 +162,8 @@ def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, til
     (dx, dw also by megablox: dw = tgmm(x^T, dy), routed FLOPs only).
 
   Raises:
-    TypeError: `x_MD` not bfloat16/float32, non-float `w_GDF`, non-integer group sizes.
+    TypeError: `x_MD` not bfloat16/float32, non-float `w_GDF` or `preferred_element_type`,
+      non-integer group sizes.
     ValueError: bad ranks, mismatched D or G, bad tiling.
   """
   fn = "megablox_gmm"
@@ -191,6 +189,8 @@ def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, til
   tm, tk, tn = tiling = tuple(tiling)
   out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None
                         else preferred_element_type)
+  if not jnp.issubdtype(out_dtype, jnp.floating):
+    raise TypeError(f"{fn}: preferred_element_type must be a float dtype (got {out_dtype})")
   # Sizes that end by M: rows past M (and the padding below) belong to no group.
   ends_G = jnp.clip(jnp.cumsum(group_sizes_G.astype(jnp.int32)), 0, M)
   group_sizes_G = jnp.diff(ends_G, prepend=jnp.zeros((1,), jnp.int32))
@@ -217,18 +217,7 @@ def _vary_like(axes, *arrays):
                for a in arrays)
 
 
-@contextlib.contextmanager
-def _kernels_in_shard_map(*inputs):
-  """Lets megablox's pallas_calls trace inside a `shard_map` with check_vma.
-
-  megablox gives its pallas_call an out_shape without `manual_axis_type`, which Pallas
-  rejects while check_vma is on (JAX 0.10.2). Inside a shard_map body (an input varies over
-  a mesh axis), the calls are traced with JAX's internal check_vma flag off, and the caller
-  casts their outputs back to vary like the inputs (`_vary_like`). Outside, nothing changes.
-  """
+def _no_vma_check():
+  """Traces megablox's pallas_calls inside a shard_map with check_vma (see the module doc)."""
   flag = getattr(jax._src.config, "_check_vma", None)  # internal: no public switch exists
-  if flag is None or not frozenset().union(*map(_varying_axes, inputs)):
-    yield
-  else:
-    with flag(False):
-      yield
+  return contextlib.nullcontext() if flag is None else flag(False)

@@ -160,7 +160,9 @@ def test_platform_dependent_takes_megablox_for_tpu():
 
 @pytest.mark.parametrize("M,D,F,dtype,G,want", [
     (8192, 2048, 4096, jnp.bfloat16, 1, (512, 1024, 1024)),
-    (8192, 2048, 4096, jnp.bfloat16, 8, (256, 1024, 1024)),  # 7 * 512 > 8192 / 4
+    (8192, 2048, 4096, jnp.bfloat16, 8, (512, 1024, 1024)),  # 7 * 512 <= 3/4 * 8192
+    (8192, 2048, 4096, jnp.bfloat16, 13, (512, 1024, 1024)),
+    (8192, 2048, 4096, jnp.bfloat16, 14, (256, 1024, 1024)),  # 13 * 512 > 3/4 * 8192
     (8192, 2048, 4096, jnp.bfloat16, 32, (256, 1024, 1024)),
     (8192, 2048, 4096, jnp.float32, 1, (512, 512, 1024)),  # f32: halve tk to fit VMEM
     (45, 8, 12, jnp.float32, 6, (128, 128, 128)),  # tiny: one padded tile each
@@ -185,6 +187,8 @@ def test_default_tiling(M, D, F, dtype, G, want):
      "tiling must be"),
     ({"tiling": (128, 64, 128)}, ((4, 8), jnp.float32, (2, 8, 4), (2,)), ValueError,
      "tiling must be"),
+    ({"preferred_element_type": jnp.int32}, ((4, 8), jnp.float32, (2, 8, 4), (2,)),
+     TypeError, "preferred_element_type must be a float"),
 ])
 def test_errors(kwargs, args, exc, match):
   x_shape, dtype, w_shape, g_shape = args
