@@ -8,6 +8,8 @@ compile (interpret mode traces every kernel: keep the shapes few and small).
 
 import functools
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,11 @@ def test_named_cases_match_oracle(name):
   check(45, 8, 12, NAMED[name])
 
 
+@hypothesis.given(sizes=st.lists(st.integers(0, 20), min_size=6, max_size=6))
+def test_random_group_sizes_match_oracle(sizes):
+  check(45, 8, 12, sizes)  # the named cases' compile; sums above 45 are clipped
+
+
 @pytest.mark.parametrize("group_sizes", [[29], [11]], ids=["all_rows", "partial"])
 def test_one_group_matches_oracle(group_sizes):
   check(29, 8, 12, group_sizes)
@@ -140,19 +147,31 @@ def test_platform_dependent_takes_default_branch_on_cpu():
     np.testing.assert_array_equal(g, v)
 
 
-def test_platform_dependent_takes_megablox_for_tpu():
+def test_compiles_for_tpu_in_shard_map():
+  """Compiled (not run) for 8 v5e chips: platform_dependent takes the megablox branch, Mosaic
+  takes the padded odd shapes, the kernels trace under check_vma, dw is all-reduced."""
   pytest.importorskip("libtpu")
   from jax.experimental import topologies
-  dev = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices[0]
-  s = NamedSharding(jax.sharding.Mesh(np.array([dev]), ("x",)), P())
-  args = [jax.ShapeDtypeStruct(shape, dt, sharding=s) for shape, dt in
-          (((256, 128), jnp.bfloat16), ((2, 128, 128), jnp.bfloat16), ((2,), jnp.int32))]
+  devs = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices
+  mesh = jax.sharding.Mesh(np.array(devs), ("x",))
 
-  def f(x, w, gs):
+  def gmm(x, w, gs):
     return jax.lax.platform_dependent(x, w, gs, tpu=gmm_tpu.megablox_gmm,
                                       default=jax.lax.ragged_dot)
-  text = jax.jit(f).lower(*args).as_text(dialect="stablehlo")
-  assert "tpu_custom_call" in text
+
+  def body(x, w, gs, dy):
+    y, vjp = jax.vjp(lambda x, w: gmm(x, w, gs[0]), x, w)
+    return (y, *vjp(dy))
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")),
+                            out_specs=(P("x"), P("x"), P())))
+  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dtype, sharding=NamedSharding(mesh, spec))
+  text = f.lower(sds((8 * 45, 8), jnp.bfloat16, P("x")), sds((6, 8, 12), jnp.bfloat16, P()),
+                 sds((8, 6), jnp.int32, P("x")),
+                 sds((8 * 45, 12), jnp.bfloat16, P("x"))).compile().as_text()
+  assert text.count('custom_call_target="tpu_custom_call"') == 3  # gmm, gmm^T, tgmm
+  assert "all-reduce" in text
 
 
 # --- the tiling rule ------------------------------------------------------------------------
