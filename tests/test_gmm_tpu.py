@@ -1,0 +1,219 @@
+"""`megablox_gmm`: megablox's TPU kernels (interpret mode on CPU) against the float64 oracle.
+
+A grouped matmul is the MoE of `tests/oracle.py` with one expert per row: row m goes to
+its group, rows past sum(group_sizes) to no expert (id -1, zero). Outputs and the gradients
+with respect to x and w are compared. Group sizes are values, so cases of one shape share a
+compile (interpret mode traces every kernel: keep the shapes few and small).
+"""
+
+import functools
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import oracle
+from cases import assert_close
+from moe_shard import gmm_tpu
+
+
+def _inputs(M, D, F, G, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(M, D)), dtype)
+  w = jnp.asarray(rng.normal(size=(G, D, F)) / np.sqrt(D), dtype)
+  dy = jnp.asarray(rng.normal(size=(M, F)), dtype)
+  return x, w, dy
+
+
+def _group_ids(group_sizes, M):
+  """int[M]: each row's group (sizes clipped to end by M), -1 past their total."""
+  ids = np.repeat(np.arange(len(group_sizes)), group_sizes)[:M]
+  return np.concatenate([ids, np.full(M - len(ids), -1)])
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_bwd(preferred_element_type=None, tiling=None):
+  """A jitted (x, w, gs, dy) -> (y, dx, dw); one compile per shape and dtype."""
+  def f(x, w, gs, dy):
+    y, vjp = jax.vjp(lambda x, w: gmm_tpu.megablox_gmm(
+        x, w, gs, preferred_element_type=preferred_element_type, tiling=tiling,
+        interpret=True), x, w)
+    return (y, *vjp(dy))
+  return jax.jit(f)
+
+
+def check(M, D, F, group_sizes, dtype=jnp.float32, preferred_element_type=None,
+          tiling=None):
+  out_dtype = dtype if preferred_element_type is None else preferred_element_type
+  x, w, dy = _inputs(M, D, F, len(group_sizes), dtype)
+  dy = dy.astype(out_dtype)  # the cotangent has y's dtype
+  gs = jnp.asarray(group_sizes, jnp.int32)
+  y, dx, dw = _fwd_bwd(preferred_element_type, tiling)(x, w, gs, dy)
+  ids = _group_ids(group_sizes, M)
+  want_y = oracle.moe(x, w, ids)
+  want_dx, want_dw, _ = oracle.moe_grads(x, w, ids, None, dy)
+  assert (y.dtype, dx.dtype, dw.dtype) == (out_dtype, dtype, dtype)
+  assert (y.shape, dx.shape, dw.shape) == ((M, F), (M, D), w.shape)
+  for name, got, want in (("y", y, want_y), ("dx", dx, want_dx), ("dw", dw, want_dw)):
+    assert_close(got, want, dtype, err_msg=f"{name} {group_sizes}")
+  # Rows past the groups' total are exactly zero (megablox leaves them unwritten: NaN in
+  # interpret mode), in y and in dx.
+  past = ids < 0
+  np.testing.assert_array_equal(np.asarray(y, np.float32)[past], 0)
+  np.testing.assert_array_equal(np.asarray(dx, np.float32)[past], 0)
+
+
+# M = 45 rows: one 128-row tile, padded; D = 8 and F = 12 padded to 128.
+NAMED = {
+    "random_with_empty": [10, 0, 20, 0, 3, 4],  # sum 37: rows past the total
+    "every_row_routed": [8, 8, 8, 8, 8, 5],
+    "single_nonempty_group": [0, 0, 45, 0, 0, 0],
+    "all_empty": [0, 0, 0, 0, 0, 0],
+    # 140 > 128 padded rows: clipped to end at 45. (Unclipped, megablox would index a row
+    # tile past the array: clamped in interpret mode, out of bounds on a TPU.)
+    "sum_above_padded_m": [30, 90, 0, 0, 0, 20],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_named_cases_match_oracle(name):
+  check(45, 8, 12, NAMED[name])
+
+
+@hypothesis.given(sizes=st.lists(st.integers(0, 20), min_size=6, max_size=6))
+def test_random_group_sizes_match_oracle(sizes):
+  check(45, 8, 12, sizes)  # the named cases' compile; sums above 45 are clipped
+
+
+@pytest.mark.parametrize("group_sizes", [[29], [11]], ids=["all_rows", "partial"])
+def test_one_group_matches_oracle(group_sizes):
+  check(29, 8, 12, group_sizes)
+
+
+def test_several_tiles_match_oracle():
+  # 3 row tiles of 128 (300 rows padded to 384), two D tiles and two F tiles (200 and 130
+  # padded to 256); group 0 and group 2 share the first tile's boundary row 100.
+  check(300, 200, 130, [100, 0, 150], tiling=(128, 128, 128))
+
+
+def test_bfloat16_matches_oracle():
+  check(45, 8, 12, [10, 0, 20, 3, 0, 9], dtype=jnp.bfloat16)
+
+
+def test_bfloat16_in_float32_out():
+  check(45, 8, 12, [10, 0, 20, 3, 0, 9], dtype=jnp.bfloat16,
+        preferred_element_type=jnp.float32)
+
+
+def test_inside_shard_map(devices):
+  """Tokens split over 8 devices, w replicated: dw comes back summed over the devices."""
+  mesh = jax.make_mesh((8,), ("x",), devices=devices)
+  x, w, dy = _inputs(8 * 16, 8, 12, 3, jnp.float32)
+  sizes_NG = np.array([[5, 0, 7], [16, 0, 0], [0, 0, 0], [1, 2, 3]] * 2, np.int32)
+
+  def body(x, w, gs, dy):
+    y, vjp = jax.vjp(lambda x, w: gmm_tpu.megablox_gmm(x, w, gs[0], interpret=True), x, w)
+    return (y, *vjp(dy))
+
+  split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")),
+                            out_specs=(P("x"), P("x"), P())))
+  y, dx, dw = f(jax.device_put(x, split), jax.device_put(w, rep),
+                jax.device_put(sizes_NG, split), jax.device_put(dy, split))
+  ids = np.concatenate([_group_ids(s, 16) for s in sizes_NG])
+  assert_close(y, oracle.moe(x, w, ids), jnp.float32)
+  want_dx, want_dw, _ = oracle.moe_grads(x, w, ids, None, dy)
+  assert_close(dx, want_dx, jnp.float32)
+  assert_close(dw, want_dw, jnp.float32)
+
+
+def test_platform_dependent_takes_default_branch_on_cpu():
+  x, w, dy = _inputs(45, 8, 12, 6, jnp.float32)
+  gs = jnp.asarray(NAMED["random_with_empty"], jnp.int32)
+
+  def dense_masked(x, w, gs):
+    return jax.lax.ragged_dot(x, w, gs)
+
+  def f(x, w):
+    return jax.lax.platform_dependent(x, w, gs, tpu=gmm_tpu.megablox_gmm,
+                                      default=dense_masked)
+  got = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w) * dy), (0, 1)))(x, w)
+  want = jax.value_and_grad(lambda x, w: jnp.sum(dense_masked(x, w, gs) * dy), (0, 1))(x, w)
+  for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, v)
+
+
+def test_compiles_for_tpu_in_shard_map():
+  """Compiled (not run) for 8 v5e chips: platform_dependent takes the megablox branch, Mosaic
+  takes the padded odd shapes, the kernels trace under check_vma, dw is all-reduced."""
+  pytest.importorskip("libtpu")
+  from jax.experimental import topologies
+  devs = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices
+  mesh = jax.sharding.Mesh(np.array(devs), ("x",))
+
+  def gmm(x, w, gs):
+    return jax.lax.platform_dependent(x, w, gs, tpu=gmm_tpu.megablox_gmm,
+                                      default=jax.lax.ragged_dot)
+
+  def body(x, w, gs, dy):
+    y, vjp = jax.vjp(lambda x, w: gmm(x, w, gs[0]), x, w)
+    return (y, *vjp(dy))
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")),
+                            out_specs=(P("x"), P("x"), P())))
+  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dtype, sharding=NamedSharding(mesh, spec))
+  text = f.lower(sds((8 * 45, 8), jnp.bfloat16, P("x")), sds((6, 8, 12), jnp.bfloat16, P()),
+                 sds((8, 6), jnp.int32, P("x")),
+                 sds((8 * 45, 12), jnp.bfloat16, P("x"))).compile().as_text()
+  assert "all-reduce" in text
+  # gmm, gmm^T, tgmm, each declaring 2*m*k*n FLOPs on the padded per-device problem
+  # (45 -> 128 rows, 8 and 12 -> 128 columns): what `bench.gmm_tpu.kernel_costs` reads.
+  from bench.gmm_tpu import kernel_costs
+  assert [f for f, _ in kernel_costs(text)] == [2 * 128**3] * 3
+
+
+# --- the tiling rule ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M,D,F,dtype,G,want", [
+    (8192, 2048, 4096, jnp.bfloat16, 1, (512, 1024, 1024)),
+    (8192, 2048, 4096, jnp.bfloat16, 8, (512, 1024, 1024)),  # 7 * 512 <= 3/4 * 8192
+    (8192, 2048, 4096, jnp.bfloat16, 13, (512, 1024, 1024)),
+    (8192, 2048, 4096, jnp.bfloat16, 14, (256, 1024, 1024)),  # 13 * 512 > 3/4 * 8192
+    (8192, 2048, 4096, jnp.bfloat16, 32, (256, 1024, 1024)),
+    (8192, 2048, 4096, jnp.float32, 1, (512, 512, 1024)),  # f32: halve tk to fit VMEM
+    (45, 8, 12, jnp.float32, 6, (128, 128, 128)),  # tiny: one padded tile each
+    (300, 384, 640, jnp.bfloat16, 2, (256, 384, 640)),  # divisors of 3 and 5 lanes
+])
+def test_default_tiling(M, D, F, dtype, G, want):
+  got = gmm_tpu.default_tiling(M, D, F, dtype, num_groups=G)
+  assert got == want
+  tm, tk, tn = got
+  assert -(-D // 128) * 128 % tk == 0 and -(-F // 128) * 128 % tn == 0
+  assert gmm_tpu.vmem_bytes(tm, tk, tn, jnp.dtype(dtype).itemsize) <= gmm_tpu.VMEM_BUDGET
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,args,exc,match", [
+    ({}, ((4, 8), jnp.float16, (2, 8, 4), (2,)), TypeError, "x_MD must be bfloat16"),
+    ({}, ((4, 8), jnp.float32, (2, 6, 4), (2,)), ValueError, "w_GDF's D"),
+    ({}, ((4, 8), jnp.float32, (2, 8, 4), (3,)), ValueError, "group_sizes_G must have"),
+    ({"tiling": (100, 128, 128)}, ((4, 8), jnp.float32, (2, 8, 4), (2,)), ValueError,
+     "tiling must be"),
+    ({"tiling": (128, 64, 128)}, ((4, 8), jnp.float32, (2, 8, 4), (2,)), ValueError,
+     "tiling must be"),
+    ({"preferred_element_type": jnp.int32}, ((4, 8), jnp.float32, (2, 8, 4), (2,)),
+     TypeError, "preferred_element_type must be a float"),
+])
+def test_errors(kwargs, args, exc, match):
+  x_shape, dtype, w_shape, g_shape = args
+  with pytest.raises(exc, match=f"megablox_gmm: {match}"):
+    gmm_tpu.megablox_gmm(jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, jnp.float32),
+                         jnp.zeros(g_shape, jnp.int32), **kwargs)
