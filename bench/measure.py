@@ -20,9 +20,11 @@ that is, XLA's own count, plus each computation's dots once more for every extra
 minus once for a loop body that never runs). dot_flops(c) = 2 * prod(result dims) *
 prod(contracting dims) over the `dot` instructions of c and of the fusions it calls (not of
 nested loop bodies, which are computations of their own); a `convolution` (how TPU programs
-write matmuls) counts 2 * prod(result dims) * input features * window size. Custom calls
-(e.g. TPU's ragged-dot kernel) are not parsed: XLA's own count includes them, once per
-computation. Elementwise FLOPs inside loop
+write matmuls) counts 2 * prod(result dims) * input features * window size; a
+`tpu_custom_call` (a Pallas kernel such as megablox's) counts the FLOPs it declares
+(`custom_call_flops`), so a kernel inside a loop is scaled like a dot. Other custom calls
+are not parsed: XLA's own count includes them, once per computation. Elementwise FLOPs
+inside loop
 bodies stay counted once; for matmul-heavy loops they are well under 1%.
 
 Naming loops. Put the loop under a scope, `with jax.named_scope("gmm_tile_64"):
@@ -185,6 +187,7 @@ class HloModule:
     collectives: computation -> {kind: {"count", "operand_bytes", "result_bytes",
       "wire_bytes"}} for its own collective instructions.
     loops: the while instructions, in text order.
+    comps: computation -> its `Instruction`s (for per-instruction tables, `bench/hbm.py`).
   """
 
   entry: str
@@ -192,6 +195,7 @@ class HloModule:
   dot_flops: dict
   collectives: dict
   loops: list
+  comps: dict = dataclasses.field(default_factory=dict)
 
   def executions(self, trip_counts=None, default_trip_count=None):
     """Returns computation -> how many times it runs in one run of the program.
@@ -280,6 +284,8 @@ def parse_hlo(text):
         flops += _dot_flops(ins, types)
       elif ins.opcode == "convolution":  # TPU writes matmuls as convolutions
         flops += _conv_flops(ins, types)
+      elif ins.opcode == "custom-call":  # a Pallas TPU kernel: the cost it declares
+        flops += custom_call_flops(ins.attrs)
       kind = _collective_kind(ins.opcode)
       if kind:
         c = coll.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0,
@@ -309,7 +315,7 @@ def parse_hlo(text):
   for lp in loops:
     if lp.known_trip_count is None:
       lp.known_trip_count = _counted_loop_trips(lp, comps)
-  return HloModule(entry, calls, dot_flops, collectives, loops)
+  return HloModule(entry, calls, dot_flops, collectives, loops, comps)
 
 
 def _counted_loop_trips(loop, comps):
@@ -414,6 +420,22 @@ def _dot_flops(ins, types):
   contract = [int(d) for d in m.group(1).split(",") if d] if m else []
   k = int(np.prod([lhs[d] for d in contract])) if lhs and contract else 1
   return 2.0 * float(np.prod(out)) * k
+
+
+_COST_RE = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
+
+
+def custom_call_flops(attrs):
+  """FLOPs a `tpu_custom_call` (a Pallas TPU kernel) declares in its backend_config's
+  `cost_estimate` (XLA's cost analysis counts the same); 0 for other custom calls.
+
+  For megablox's grouped matmuls the declaration is 2*m*k*n over the whole (padded) row
+  buffer, whatever the group sizes: an upper bound on the tiles it visits.
+  """
+  if 'custom_call_target="tpu_custom_call"' not in attrs:
+    return 0.0
+  m = _COST_RE.search(attrs)
+  return float(m.group(1)) if m else 0.0
 
 
 def _conv_flops(ins, types):

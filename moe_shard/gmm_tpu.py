@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks
+from moe_shard.sharding import varying_axes as _varying_axes
 
 # The kernel module, not `megablox.gmm` (the package re-exports ops.gmm under that name).
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -107,32 +108,32 @@ def default_tiling(M, D, F, dtype, *, num_groups=1):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _gmm(x_PD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
+def _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
   with _no_vma_check():
-    y_PF = _mb.gmm(x_PD, w_GDF, group_sizes_G, out_dtype, tiling, interpret=interpret)
-  (y_PF,) = _vary_like(_varying_axes(x_PD), y_PF)
-  return _zero_past_groups(y_PF, group_sizes_G)
+    y_QF = _mb.gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret=interpret)
+  (y_QF,) = _vary_like(_varying_axes(x_QD), y_QF)
+  return _zero_past_groups(y_QF, group_sizes_G)
 
 
-def _gmm_fwd(x_PD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
-  y_PF = _gmm(x_PD, w_GDF, group_sizes_G, out_dtype, tiling, interpret)
-  return y_PF, (x_PD, w_GDF, group_sizes_G)
+def _gmm_fwd(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
+  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret)
+  return y_QF, (x_QD, w_GDF, group_sizes_G)
 
 
-def _gmm_bwd(out_dtype, tiling, interpret, res, dy_PF):
+def _gmm_bwd(out_dtype, tiling, interpret, res, dy_QF):
   del out_dtype
-  x_PD, w_GDF, group_sizes_G = res
+  x_QD, w_GDF, group_sizes_G = res
   tm, tk, tn = tiling
-  dy_PF = dy_PF.astype(x_PD.dtype)  # bf16 in, bf16 products (f32 accumulation)
+  dy_QF = dy_QF.astype(x_QD.dtype)  # bf16 in, bf16 products (f32 accumulation)
   with _no_vma_check():
     # dx = dy @ w[g]^T: contraction over F (tile tn), output columns over D (tile tk).
-    dx_PD = _mb.gmm(dy_PF, w_GDF, group_sizes_G, x_PD.dtype, (tm, tn, tk),
+    dx_QD = _mb.gmm(dy_QF, w_GDF, group_sizes_G, x_QD.dtype, (tm, tn, tk),
                     transpose_rhs=True, interpret=interpret)
     # dw[g] = x[rows of g]^T @ dy[rows of g]; every group written, empty ones with zeros.
-    dw_GDF = _mb.tgmm(x_PD.swapaxes(0, 1), dy_PF, group_sizes_G, w_GDF.dtype, tiling,
+    dw_GDF = _mb.tgmm(x_QD.swapaxes(0, 1), dy_QF, group_sizes_G, w_GDF.dtype, tiling,
                       num_actual_groups=w_GDF.shape[0], interpret=interpret)
-  dx_PD, dw_GDF = _vary_like(_varying_axes(x_PD), dx_PD, dw_GDF)
-  return _zero_past_groups(dx_PD, group_sizes_G), dw_GDF, None
+  dx_QD, dw_GDF = _vary_like(_varying_axes(x_QD), dx_QD, dw_GDF)
+  return _zero_past_groups(dx_QD, group_sizes_G), dw_GDF, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -198,18 +199,11 @@ def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, til
   group_sizes_G = jnp.diff(ends_G, prepend=jnp.zeros((1,), jnp.int32))
   axes = frozenset().union(*map(_varying_axes, (x_MD, w_GDF, group_sizes_G)))
   x_MD, w_GDF, group_sizes_G = _vary_like(axes, x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
-  P, Dp, Fp = _round_up(max(M, 1), tm), _round_up(D, tk), _round_up(F, tn)
-  x_PD = jnp.pad(x_MD, ((0, P - M), (0, Dp - D)))
+  Q, Dp, Fp = _round_up(max(M, 1), tm), _round_up(D, tk), _round_up(F, tn)
+  x_QD = jnp.pad(x_MD, ((0, Q - M), (0, Dp - D)))
   w_GDF = jnp.pad(w_GDF, ((0, 0), (0, Dp - D), (0, Fp - F)))
-  y_PF = _gmm(x_PD, w_GDF, group_sizes_G, out_dtype, tiling, bool(interpret))
-  return y_PF[:M, :F]
-
-
-def _varying_axes(a):
-  """The mesh axes `a` varies over (JAX 0.10: `manual_axis_type.varying`; older: `vma`)."""
-  aval = jax.typeof(a)
-  mat = getattr(aval, "manual_axis_type", None)
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, bool(interpret))
+  return y_QF[:M, :F]
 
 
 def _vary_like(axes, *arrays):

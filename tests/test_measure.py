@@ -258,3 +258,12 @@ def test_counted_loop_without_annotation_gets_its_trip_count(start, stop):
   stripped = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text)
   (lp,) = measure.parse_hlo(stripped).loops
   assert lp.known_trip_count == stop - start
+
+
+def test_pallas_tpu_kernel_flops_are_its_declared_cost():
+  """A tpu_custom_call is not a dot: its FLOPs come from the cost it declares."""
+  line = ('custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
+          '{"body":"xyz","cost_estimate":{"flops":"137438953472","transcendentals":"0",'
+          '"bytes_accessed":"855638016"}}}')
+  assert measure.custom_call_flops(line) == 137438953472.0
+  assert measure.custom_call_flops('custom_call_target="SomethingElse"') == 0.0
