@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.routing import expert_load
-from moe_shard.sharding import EXPERT, check_mesh, place, token_spec, trim, vary_over
+from moe_shard.sharding import (EXPERT, check_mesh, place, token_spec, trim, vary_over,
+                                zeros_varying)
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
 
@@ -156,8 +157,9 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
   the busiest queue on the mesh is empty; the count is computed on device (no host sync,
   no dropped token). Buffers are per round, never `[N, T, D]`.
 
-  The backward pass (a `custom_vjp`) replays the same rounds: each round's gradient is the
-  same dispatch reversed.
+  Backward: round 0 is differentiated by JAX (its residuals saved, no recompute); the overflow
+  rounds, a loop of data-dependent length, have a `custom_vjp` that replays each of them:
+  each round's gradient is the same dispatch reversed.
 
   Args:
     x_TD: f[T, D] tokens (global shape; split over every mesh axis inside).
@@ -241,7 +243,12 @@ def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_im
     # Every device runs as many rounds as the busiest queue on the whole mesh needs.
     rounds = chunks.rounds(jax.lax.pmax(jnp.max(plan.count_N), lay.all_axes))
   ffn_L = vary_over(ffn_L, lay.other_axes)
-  y_TF = _dispatch(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
+  # Round 0 (C_first slots per pair: the expected load) is plain JAX, differentiated by JAX
+  # with the residuals it saves; only the overflow rounds, whose count is data-dependent,
+  # run in a loop whose backward replays them (`_overflow`).
+  slots_NC = plan_lib.round_slots(plan, 0, chunks.first)
+  y_TF = _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I)
+  y_TF = y_TF + _overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
   sent = jnp.sum(plan.count_N)
   stats = dict(
       rounds=rounds.astype(jnp.int32),
@@ -293,18 +300,17 @@ def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
 
 
 def _local_experts(cfg, x_MD, ids_M, ffn_L):
-  """Runs the L local experts on received rows (id L = padding, gives zeros); f32[M, F]."""
+  """Runs the L local experts on received rows (id L = padding, gives zeros); [M, F] in the
+  dtype of x (products accumulate in float32)."""
   order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, cfg.local_experts)
   matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_L, impl=cfg.gmm_impl,
-                             preferred_element_type=jnp.float32)
+                             preferred_element_type=x_MD.dtype)
   y_MF = ffn_L(x_MD[order_M], matmul)
   return y_MF[local.inverse_permutation(order_M)]
 
 
-def _loop_rounds(cfg, plan, rounds, first, step):
-  """Folds `step(acc, slots_NC)` over round 0 (C_first) and the overflow rounds."""
-  acc = first(plan_lib.round_slots(plan, 0, cfg.chunks.first))
-
+def _loop_overflow(cfg, plan, rounds, step, acc):
+  """Folds `step(acc, slots_NC)` over the overflow rounds 1 .. rounds - 1 (C_overflow)."""
   def cond(carry):
     return carry[0] < rounds
 
@@ -313,37 +319,43 @@ def _loop_rounds(cfg, plan, rounds, first, step):
     slots_NC = plan_lib.round_slots(plan, cfg.chunks.start(r), cfg.chunks.overflow)
     return r + 1, step(acc, slots_NC)
 
-  # Named so that measure.collective_bytes can scale the loop body by rounds - 1.
+  # Named so that the benchmark can scale the loop body by rounds - 1.
   with jax.named_scope(OVERFLOW_SCOPE):
     return jax.lax.while_loop(cond, body, (jnp.ones((), jnp.int32), acc))[1]
 
 
+def _zeros_like_tree(tree):
+  """Zeros shaped and varying like each leaf (loop carries inside shard_map)."""
+  return jax.tree.map(lambda a: zeros_varying(a.shape, a.dtype, a), tree)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
-  """Sum over rounds of `_round`: f32[T, F]. Differentiable in x, ffn and weights."""
+def _overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
+  """Sum of `_round` over the overflow rounds: f32[T, F] (zeros when there are none).
+
+  Differentiable in x, ffn and weights: the backward replays each round's vjp.
+  """
+  y0_TF = zeros_varying((x_TD.shape[0], ffn_L.d_out), jnp.float32, x_TD, weights_TK)
   run = functools.partial(_round, cfg, x_TD, ffn_L, weights_TK, local_I=local_I)
-  return _loop_rounds(cfg, plan, rounds, lambda s: run(slots_NC=s),
-                      lambda acc, s: acc + run(slots_NC=s))
+  return _loop_overflow(cfg, plan, rounds, lambda acc, s: acc + run(slots_NC=s), y0_TF)
 
 
-def _dispatch_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
-  y = _dispatch(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
+def _overflow_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
+  y = _overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
   return y, (x_TD, ffn_L, weights_TK, plan, local_I, rounds)
 
 
-def _dispatch_bwd(cfg, res, dy_TF):
+def _overflow_bwd(cfg, res, dy_TF):
   x_TD, ffn_L, weights_TK, plan, local_I, rounds = res
 
-  def grads(slots_NC):
+  def add(acc, slots_NC):
     _, vjp = jax.vjp(
         lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I), x_TD, ffn_L, weights_TK)
-    return vjp(dy_TF)
+    return jax.tree.map(jnp.add, acc, vjp(dy_TF))
 
-  def add(acc, slots_NC):
-    return jax.tree.map(jnp.add, acc, grads(slots_NC))
-
-  dx, dffn, dw = _loop_rounds(cfg, plan, rounds, grads, add)
+  dx, dffn, dw = _loop_overflow(cfg, plan, rounds, add,
+                                _zeros_like_tree((x_TD, ffn_L, weights_TK)))
   return dx, dffn, dw, None, None, None
 
 
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_overflow.defvjp(_overflow_fwd, _overflow_bwd)

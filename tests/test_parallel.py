@@ -505,7 +505,7 @@ def test_experts_not_divisible_by_expert_axis(name):
 @pytest.mark.parametrize("name", IMPLS)
 def test_expert_axis_not_in_mesh(name):
   with pytest.raises(ValueError, match=re.escape(
-      f"moe_{name}: expert_axis 'model' must be an axis of the mesh "
+      f"moe_{name}: mesh must have the expert axis 'model' "
       f"(got axes ('expert', 'data'))")):
     trace(FNS[name], *_args(), mesh=mesh("4x2-auto"), expert_axis="model")
 
