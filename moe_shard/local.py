@@ -154,8 +154,10 @@ def ragged_combine(x_TD, ffn, num_experts, experts_TK, weights_TK, gmm_impl="aut
     order_I, group_sizes_E, valid_I = sort_by_expert(experts_TK.reshape(-1), num_experts)
     x_ID = x_TD[order_I // K]  # I = T*K items in expert order; invalid ones last
   with jax.named_scope("experts"):
+    # Products accumulate in float32; results are stored in the compute dtype (bf16 matmul
+    # outputs and their residuals take half the HBM bytes of float32 ones).
     matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=gmm_impl,
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=x_TD.dtype)
     y_IF = ffn(x_ID, matmul)  # rows past sum(group_sizes) are zeros
   with jax.named_scope("unpermute"):
     y_TKF = y_IF[inverse_permutation(order_I)].reshape(T, K, -1)
