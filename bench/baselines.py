@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -88,3 +89,69 @@ class GShard:
     y_TD, dropped = gshard_moe(x_TD, ffn, experts_TK, weights_TK, mesh=mesh,
                                capacity_factor=self.capacity_factor)
     return y_TD, {"dropped_items": dropped}
+
+
+def dense_limit(case):
+  """The physical limit of a case: its routed FLOPs as plain dense matmuls on each device.
+
+  Under `shard_map`, each device multiplies its T_dev * K items (the tokens' rows already
+  repeated K times) by its own matrices of the case's shapes: one [D, F] matrix at kernel
+  level; at layer level the router's [D, E] on its T_dev tokens and a SwiGLU (gate, up
+  [D, F], down [F, D]). No routing, sort or communication (each device's weights are its
+  own, so no gradient is summed across devices): what any implementation of the case
+  would take if dispatch were free. The benchmark's efficiency column is this time over
+  each row's.
+
+  Returns:
+    ({"fwd": jitted fn, "fwd_bwd": jitted fn}, args): the programs and their inputs (real
+    arrays, or ShapeDtypeStructs when the case is abstract).
+  """
+  mesh = case.mesh
+  n_dev = mesh.size
+  tok = P(tuple(mesh.axis_names))
+  T, D, F, K, E = case.size.T, case.size.D, case.size.F, case.size.K, case.E
+  dtype = jnp.dtype(case.size.dtype)
+  f32 = dict(preferred_element_type=jnp.float32)
+  abstract = isinstance(case.args[0], jax.ShapeDtypeStruct) or isinstance(
+      getattr(case.args[0], "router_DE", None), jax.ShapeDtypeStruct)
+
+  def put(shape, spec, dt=dtype, scale=1.0):
+    sharding = NamedSharding(mesh, spec)
+    if abstract:
+      return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    rng = np.random.default_rng(len(shape))
+    a = (rng.standard_normal(shape, np.float32) * np.float32(scale)).astype(dt)
+    return jax.make_array_from_callback(shape, sharding, lambda index: a[index])
+
+  x = put((T * K, D), tok)
+  if case.level == "kernel":
+    ws = (put((n_dev, D, F), tok, scale=D**-0.5),)
+    dy = put((T * K, F), tok)
+
+    def per_device(x_ID, w_1DF):
+      return jnp.einsum("id,df->if", x_ID, w_1DF[0], **f32).astype(x_ID.dtype)
+  else:
+    ws = (put((D, E), P(), jnp.float32, D**-0.5), put((n_dev, D, F), tok, scale=D**-0.5),
+          put((n_dev, D, F), tok, scale=D**-0.5), put((n_dev, F, D), tok, scale=F**-0.5))
+    dy = put((T * K, D), tok)
+
+    def per_device(x_ID, router_DE, gate_1DF, up_1DF, down_1FD):
+      # The router on the device's T_dev tokens (every K-th row), then one SwiGLU.
+      logits_TE = jnp.einsum("td,de->te", x_ID[::K].astype(jnp.float32), router_DE)
+      g_IF = jnp.einsum("id,df->if", x_ID, gate_1DF[0], **f32)
+      u_IF = jnp.einsum("id,df->if", x_ID, up_1DF[0], **f32)
+      h_IF = (jax.nn.silu(g_IF) * u_IF).astype(x_ID.dtype)
+      y_ID = jnp.einsum("if,fd->id", h_IF, down_1FD[0], **f32)
+      return (y_ID + jnp.mean(logits_TE)).astype(x_ID.dtype)
+
+  specs = (tok,) + tuple(P() if w.ndim == 2 else tok for w in ws)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=tok)
+
+  def fwd(x, dy, *ws):
+    return fn(x, *ws)
+
+  def fwd_bwd(x, dy, *ws):
+    y, vjp = jax.vjp(fn, x, *ws)
+    return (y, *vjp(dy))
+
+  return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(fwd_bwd)}, (x, dy, *ws)

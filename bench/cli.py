@@ -100,6 +100,7 @@ def _main(argv):
     print()
     print(report.headline(rows))
     print(report.table(rows))
+    print(report.hbm_sections(rows))
     for path in report.write(rows, info, full, s, a):
       print("wrote", path)
   return 0

@@ -14,18 +14,23 @@ PRESETS = {
     # 8x the FLOPs and 3x the time of the next slowest); --impls or --sweep include it.
     "default": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8",
                     routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2,
-                    impls="all_to_all,all_gather,jit_masked_scan,jit_gshard_einsum"),
+                    impls="all_to_all,all_gather,jit_masked_scan,jit_gshard_einsum,dense_limit"),
     "quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
                   routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
     "sweep": dict(tokens=4096, d_model=256, d_ff=512, top_k=2, experts="8,64",
                   routing="uniform,zipf,hot_expert,one_device", levels="kernel,layer",
-                  modes="fwd,fwd_bwd", repeats=2),
+                  modes="fwd,fwd_bwd", repeats=2, scaling=True),
     "tpu": dict(tokens=32768, d_model=2048, d_ff=4096, top_k=2, experts="8,64",
                 routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=0),
     "tpu_quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
                       routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd",
                       repeats=0),
 }
+
+
+# Cost against work: the layer at E=64 for growing T (part of --sweep; --scaling alone).
+SCALING = dict(tokens=(2048, 8192, 32768), d_model=512, d_ff=1024, experts=(64,),
+               routing=("uniform",), levels=("layer",))
 
 
 class UsageError(Exception):
@@ -47,7 +52,13 @@ def parser():
   p.add_argument("--tpu", metavar="TOPOLOGY",
                  help="compile for a TPU topology (e.g. v5e:2x4) without running; needs "
                       "the tpu extra. Default sizes T=32768 D=2048 F=4096 bf16")
-  p.add_argument("-T", "--tokens", type=int, help="tokens in all (B*S)")
+  p.add_argument("--hbm-table", type=int, metavar="N", default=0,
+                 help="with --tpu: for each program, the N ops and scopes that access the "
+                      "most HBM bytes (loops scaled; bench/hbm.py)")
+  p.add_argument("-T", "--tokens", help="tokens in all (B*S); a comma list runs each")
+  p.add_argument("--scaling", action="store_true",
+                 help="also the scaling case: the layer at E=64, uniform, D=512, F=1024, "
+                      "T in 2048, 8192, 32768 (part of --sweep)")
   p.add_argument("-D", "--d-model", type=int)
   p.add_argument("-F", "--d-ff", type=int, help="expert width (kernel: the matrix's F)")
   p.add_argument("-K", "--top-k", type=int)
@@ -109,9 +120,11 @@ def settings(a):
               "repeats"):
     if getattr(a, key) is not None:
       s[key] = getattr(a, key)
-  for key in ("tokens", "d_model", "d_ff", "top_k"):
+  s["tokens"] = _ints(str(s["tokens"]), "--tokens")
+  for key in ("d_model", "d_ff", "top_k"):
     if s[key] < 1:
       raise UsageError(f"--{key.replace('_', '-')} must be >= 1 (got {s[key]})")
+  s["scaling"] = bool(a.scaling or s.get("scaling"))
   if s["repeats"] < (0 if a.tpu else 1):
     raise UsageError(f"--repeats must be >= 1 (got {s['repeats']})")
   s["experts"] = _ints(str(s["experts"]), "--experts")
@@ -121,6 +134,10 @@ def settings(a):
   names = _impl_names()
   s["impls"] = _list(a.impls or s.get("impls") or ",".join(names), names, "impl")
   s["dtype"] = a.dtype or ("bfloat16" if a.tpu else "float32")
+  if a.hbm_table and not a.tpu:
+    raise UsageError("--hbm-table needs --tpu (it reads a compiled TPU program)")
+  if a.hbm_table < 0:
+    raise UsageError(f"--hbm-table must be >= 0 (got {a.hbm_table})")
   if a.capacity_factor <= 0:
     raise UsageError(f"--capacity-factor must be > 0 (got {a.capacity_factor})")
   if a.chunk_size is not None and a.chunk_size < 1:

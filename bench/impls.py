@@ -31,11 +31,15 @@ class Impl:
       factor comes from the command line).
     accounting: `(case, on_tpu) -> accounting.Accounting`.
     per_size: `dispatch` is a factory of the size.
+    programs: for a row that is not a dispatch (the dense limit): `case -> (programs,
+      args)`, replacing the dispatch path; its forward is not checked against the MoE
+      reference (it computes something else).
   """
 
-  dispatch: str | Callable
+  dispatch: str | Callable | None
   accounting: Callable = accounting.unknown
   per_size: bool = False
+  programs: Callable | None = None
 
   def resolve(self, size):
     """The dispatch for a size: a library name or a function."""
@@ -49,6 +53,7 @@ IMPLS = {
     "jit_masked_scan": Impl("masked_scan", accounting.masked_scan),
     "jit_gshard_einsum": Impl(lambda size: baselines.GShard(size.capacity_factor),
                               accounting.gshard, per_size=True),
+    "dense_limit": Impl(None, accounting.unknown, programs=baselines.dense_limit),
 }
 
 

@@ -159,8 +159,20 @@ def programs(case, impl):
   Kernel level: (x, w, experts, weights, dy) -> y, or (y, dx, dw, dweights). Layer level:
   (params, x, dy) -> (y, aux_loss, rounds, dropped_items), or (y, dparams, dx).
   """
+  return programs_and_args(case, impl)[0]
+
+
+def programs_and_args(case, impl):
+  """(`programs(case, impl)`, the arguments they take): `case.args`, or an entry's own
+  inputs (the dense limit)."""
   if impl not in IMPLS:
     raise ValueError(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
+  if IMPLS[impl].programs is not None:
+    return IMPLS[impl].programs(case)
+  return _dispatch_programs(case, impl), case.args
+
+
+def _dispatch_programs(case, impl):
   mesh = case.mesh
   dispatch = IMPLS[impl].resolve(case.size)
   cfg = dataclasses.replace(case.cfg, impl=dispatch)

@@ -20,24 +20,25 @@ def table(rows):
   """The results as a Markdown table."""
   tpu = any("topology" in r for r in rows)
   if tpu:
-    head = ("| level | E | routing | mode | impl | XLA est. ms | XLA est. ms, loops scaled | "
-            "roofline ms (compute/HBM/ICI) | flops x | MiB/dev | x bound (uniform/routing) | "
-            "HBM temp MiB | "
-            "rounds | dropped | compile s |")
+    head = ("| level | T | E | routing | mode | impl | XLA est. ms | XLA est. ms, loops scaled | "
+            "roofline ms (compute/HBM/ICI) | eff. | flops x | MiB/dev | x bound "
+            "(uniform/routing) | HBM temp MiB | rounds | dropped | compile s |")
   else:
-    head = ("| level | E | routing | mode | impl | median ms (min-max) | GFLOP/s | flops x | "
-            "MiB/dev | x bound (uniform/routing) | temp MiB | rounds | dropped | max err | "
-            "compile s |")
+    head = ("| level | T | E | routing | mode | impl | median ms (min-max) | GFLOP/s | eff. | "
+            "flops x | MiB/dev | x bound (uniform/routing) | temp MiB | rounds | dropped | "
+            "max err | compile s |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
-    common = (f"| {r['level']} | {r['E']} | {r['routing']} | {r['mode']} | {r['impl']} ")
+    common = (f"| {r['level']} | {r['T']} | {r['E']} | {r['routing']} | {r['mode']} | "
+              f"{r['impl']} ")
     if "error" in r:
-      out.append(common + f"| did not compile: {r['error']} |" + " |" * (head.count("|") - 7))
+      out.append(common + f"| did not compile: {r['error']} |" + " |" * (head.count("|") - 8))
       continue
     bound = "/".join(f"{r[k]:.2f}" if r.get(k) is not None else "-"
                      for k in ("bytes_over_bound", "bytes_over_routing_bound"))
     star = "*" if r.get("loop_counted_once") else ""
-    tail = (f"| {r['flops_ratio']:.2f}{star} | {r['wire_bytes'] / 2**20:.2f}{star} | {bound} | "
+    eff = f"{r['efficiency']:.2f}" if r.get("efficiency") else "-"
+    tail = (f"| {eff} | {r['flops_ratio']:.2f}{star} | {r['wire_bytes'] / 2**20:.2f}{star} | {bound} | "
             f"{r['temp_bytes'] / 2**20:.1f} | {r['rounds'] if r['rounds'] else '-'} | "
             f"{r['dropped']} ")
     if tpu:
@@ -68,9 +69,9 @@ def headline(rows):
   groups = {}
   for r in rows:
     if "error" not in r:
-      groups.setdefault((r["level"], r["E"], r["routing"], r["mode"]), []).append(r)
+      groups.setdefault((r["level"], r["T"], r["E"], r["routing"], r["mode"]), []).append(r)
   lines = []
-  for (level, E, routing, mode), rs in groups.items():
+  for (level, T, E, routing, mode), rs in groups.items():
     a2a = [r for r in rs if r["impl"] == "all_to_all"]
     jit = [r for r in rs if r["impl"].startswith("jit_")]
     timed = [r for r in jit if seconds(r) is not None]
@@ -84,8 +85,9 @@ def headline(rows):
                f"{seconds(fast) / seconds(a2a):.1f}x")
     else:
       speed = "n/a | n/a"
+    eff = f"{a2a['efficiency']:.2f}" if a2a.get("efficiency") else "-"
     lines.append(
-        f"| {level} | {E} | {routing} | {mode} | {_ms(seconds(a2a))} | {speed} | "
+        f"| {level} | {T} | {E} | {routing} | {mode} | {_ms(seconds(a2a))} | {eff} | {speed} | "
         f"{a2a['wire_bytes'] / 2**20:.2f} | {_named(light)} {light['wire_bytes'] / 2**20:.2f} "
         f"| {light['wire_bytes'] / max(a2a['wire_bytes'], 1):.2f}x |")
   if not lines:
@@ -93,10 +95,11 @@ def headline(rows):
   what = {"roofline_s": "roofline estimate for the TPU compiled for, not a measurement",
           "xla_optimal_scaled_s": "XLA's TPU cost estimate, loops scaled; not a measurement",
           None: "median wall time"}[key]
-  return ("| level | E | routing | mode | all_to_all ms | fastest jit-only ms | speed-up | "
-          "all_to_all MiB/dev | fewest-bytes jit-only MiB/dev | bytes ratio |\n"
-          "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) +
-          f"\n\n(times: {what}; bytes ratio: the jit-only version's bytes over all_to_all's)\n")
+  return ("| level | T | E | routing | mode | all_to_all ms | efficiency | fastest jit-only ms "
+          "| speed-up | all_to_all MiB/dev | fewest-bytes jit-only MiB/dev | bytes ratio |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) +
+          f"\n\n(times: {what}; efficiency: the dense limit's time over all_to_all's; bytes "
+          "ratio: the jit-only version's bytes over all_to_all's)\n")
 
 
 def _named(row):
@@ -116,13 +119,20 @@ def markdown(rows, info, argv, s):
           f"{info['load_average_1min']:.1f} at start. Layer level: router + dispatch + SwiGLU "
           "+ combine; kernel level: one [D, F] matrix per expert. See `python -m bench "
           "--help` for the columns.\n\n## all_to_all against the best jit-only version\n\n"
-          + headline(rows) + "\n## Every row\n\n" + table(rows))
+          + headline(rows) + "\n## Every row\n\n" + table(rows) + hbm_sections(rows))
+
+
+def hbm_sections(rows):
+  """The `--hbm-table` reports of the rows that have one, as Markdown sections."""
+  return "".join(f"\n## HBM: {r['level']} T={r['T']} E={r['E']} {r['routing']} {r['mode']} "
+                 f"{r['impl']}\n\n{r['hbm_table']}" for r in rows if "hbm_table" in r)
 
 
 CSV_FIELDS = ("level", "impl", "E", "routing", "mode", "T", "D", "F", "K", "dtype", "mesh",
               "devices", "time_median_s", "time_min_s", "time_max_s", "compile_s", "gflops",
               "routed_flops", "executed_flops", "flops_ratio", "wire_bytes",
               "bytes_over_bound", "bytes_over_routing_bound", "temp_bytes", "rounds", "dropped", "max_abs_err",
+              "efficiency",
               "topology", "xla_optimal_s", "xla_optimal_scaled_s", "roofline_s",
               "compute_s", "hbm_s", "ici_s", "error")
 
@@ -150,14 +160,14 @@ def plot(rows, path):
   rows = [r for r in rows if "error" not in r]
   panels = list(dict.fromkeys((r["level"], r["mode"]) for r in rows))
   impls = list(dict.fromkeys(r["impl"] for r in rows))
-  fig, axes = plt.subplots(2, len(panels), figsize=(min(5 * len(panels), 22), 7.5),
+  fig, axes = plt.subplots(3, len(panels), figsize=(min(5 * len(panels), 22), 10),
                            squeeze=False)
   width = 0.8 / len(impls)
   for col, (level, mode) in enumerate(panels):
     here = [r for r in rows if (r["level"], r["mode"]) == (level, mode)]
-    cases = list(dict.fromkeys((r["E"], r["routing"]) for r in here))
+    cases = list(dict.fromkeys((r["T"], r["E"], r["routing"]) for r in here))
     for i, impl in enumerate(impls):
-      by = {(r["E"], r["routing"]): r for r in here if r["impl"] == impl}
+      by = {(r["T"], r["E"], r["routing"]): r for r in here if r["impl"] == impl}
       xs = [j + i * width for j, c in enumerate(cases) if c in by]
       secs = [by[c].get("roofline_s") if tpu else by[c]["time_s"]["median"]
               for c in cases if c in by]
@@ -165,17 +175,20 @@ def plot(rows, path):
                        color=f"C{i}", label=impl)
       axes[1, col].bar(xs, [by[c]["wire_bytes"] / 2**20 for c in cases if c in by], width,
                        color=f"C{i}", label=impl)
-    for ax in axes[:, col]:
-      ax.set_yscale("log")
+      axes[2, col].bar(xs, [by[c].get("efficiency") or 0 for c in cases if c in by], width,
+                       color=f"C{i}", label=impl)
+    for row, ax in enumerate(axes[:, col]):
+      ax.set_yscale("log" if row < 2 else "linear")
       ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-      ax.set_xticklabels([f"E={e}\n{rt}" for e, rt in cases], fontsize=7)
+      ax.set_xticklabels([f"T={t}\nE={e}\n{rt}" for t, e, rt in cases], fontsize=7)
     axes[0, col].set_title(f"{level}, {mode.replace('_', '+')}", fontsize=10)
   axes[0, 0].set_ylabel("roofline estimate, ms (not measured)" if tpu else
                         "median wall time, ms")
   axes[1, 0].set_ylabel("collective MiB sent per device")
+  axes[2, 0].set_ylabel("efficiency: dense limit time / time")
   axes[0, 0].legend(fontsize=7)
   r0 = rows[0]
-  fig.suptitle(f"T={r0['T']} D={r0['D']} F={r0['F']} K={r0['K']} {r0['dtype']}, mesh "
+  fig.suptitle(f"D={r0['D']} F={r0['F']} K={r0['K']} {r0['dtype']}, mesh "
                f"{r0['mesh']}" + (f", compiled for TPU {r0['topology']}" if tpu else
                                   f", {r0['devices']} devices"), fontsize=10)
   fig.tight_layout()

@@ -91,11 +91,17 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   from bench import programs as progs
   from bench.impls import IMPLS
 
-  size = progs.Size(T=s["tokens"], D=s["d_model"], F=s["d_ff"], K=s["top_k"],
-                    dtype=s["dtype"], capacity_factor=a.capacity_factor, zipf_s=a.zipf_s,
-                    chunk_size=a.chunk_size)
-  cases = [(lv, E, r) for lv in s["levels"] for E in s["experts"] for r in s["routing"]]
-  for lv, E, _ in cases:  # every impossible combination before any work
+  from bench.flags import SCALING
+
+  def sizes_and_cases(part):
+    return [(progs.Size(T=T, D=part["d_model"], F=part["d_ff"], K=s["top_k"],
+                        dtype=s["dtype"], capacity_factor=a.capacity_factor,
+                        zipf_s=a.zipf_s, chunk_size=a.chunk_size), (lv, E, r))
+            for T in part["tokens"] for lv in part["levels"] for E in part["experts"]
+            for r in part["routing"]]
+
+  cases = sizes_and_cases(s) + (sizes_and_cases(SCALING) if s["scaling"] else [])
+  for size, (lv, E, _) in cases:  # every impossible combination before any work
     try:
       progs.check_combination(size, E, mesh, lv)
     except ValueError as err:
@@ -105,7 +111,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   bar = Progress(len(cases) * per_case, progress_enabled)
   rows = []
   mesh_name = "x".join(str(mesh.shape[k]) for k in mesh.axis_names)
-  for level, E, routing in cases:
+  for size, (level, E, routing) in cases:
     case = progs.make_case(level, E, routing, size, mesh, abstract=bool(tpu_topology),
                            seed=a.seed)
     timed = []
@@ -113,12 +119,13 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
     kept = {}
     routing_bound = accounting.routing_bound_bytes(case)
     for impl in s["impls"]:
-      fns = progs.programs(case, impl)
+      fns, impl_args = progs.programs_and_args(case, impl)
       acc = IMPLS[impl].accounting(case, on_tpu=bool(tpu_topology))
       rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
-      kept[impl] = acc.kept
+      if IMPLS[impl].programs is None:  # a dispatch: checked against the MoE reference
+        kept[impl] = acc.kept
       for mode in s["modes"]:
-        args = case.args
+        args = impl_args
         base = dict(level=level, impl=impl, E=E, routing=routing, mode=mode, T=size.T,
                     D=size.D, F=size.F, K=size.K, dtype=size.dtype, mesh=mesh_name,
                     devices=mesh.size, **({"topology": tpu_topology} if tpu_topology else {}))
@@ -155,6 +162,10 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
                    **({"loop_counted_once": True} if approx else {}))
         if tpu_topology:
           row.update(tpu.estimates(compiled, busiest, wire, tpu_topology))
+          if a.hbm_table:
+            from bench import hbm
+            row["hbm_table"] = hbm.table(compiled, trips[0], top=a.hbm_table,
+                                         xla_bytes=row["hbm_bytes_accessed"])
           bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
         else:
           timed.append((compiled, args, row))
@@ -169,8 +180,25 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         row["gflops"] = row["routed_flops"] / t["median"] / 1e9
       _errors(case, case_rows, timed, kept)
       bar.step(f"checked {level} E={E} {routing}")
+    _efficiency(case_rows)
     rows += case_rows
   return rows
+
+
+def seconds(row):
+  """A row's time: the median wall time, or for a TPU compile the roofline estimate."""
+  if "time_s" in row:
+    return row["time_s"]["median"]
+  return row.get("roofline_s")
+
+
+def _efficiency(rows):
+  """Sets each row's `efficiency`: the dense limit's time over its own (same mode)."""
+  limit = {r["mode"]: seconds(r) for r in rows if r["impl"] == "dense_limit" and "error" not in r}
+  for r in rows:
+    t = seconds(r) if "error" not in r else None
+    if limit.get(r["mode"]) and t:
+      r["efficiency"] = limit[r["mode"]] / t
 
 
 def _one_line(err):
@@ -218,7 +246,9 @@ def _errors(case, rows, timed, kept):
   for compiled, args, row in timed:
     if row["mode"] != "fwd":
       continue
-    keep = kept.get(row["impl"])
+    if row["impl"] not in kept:
+      continue  # not a dispatch (the dense limit): nothing to check against
+    keep = kept[row["impl"]]
     key = None if keep is None else keep.tobytes()
     if key not in refs:
       refs[key] = (reference.kernel(*host[:4], kept=keep) if case.level == "kernel" else

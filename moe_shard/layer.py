@@ -139,7 +139,7 @@ def init_moe_params(key, cfg, mesh=None):
   fn = "init_moe_params"
   check_config(fn, cfg)
   if mesh is not None:
-    check_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts)
+    check_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, optional=True)
   # Fields that do not shape the parameters are reset, so that configs differing only in
   # them (e.g. impl) share one compiled init.
   shape_cfg = dataclasses.replace(
@@ -284,7 +284,7 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
                      f"(got shape {tuple(x_BSD.shape)})")
   _check_params(fn, params, cfg)
   if mesh is not None:
-    check_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts)
+    check_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, optional=True)
   impl = choose_impl(cfg, mesh)
   dispatch = get_dispatch(impl)
   if mesh is None and dispatch.needs_mesh:

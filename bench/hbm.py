@@ -1,0 +1,111 @@
+"""Where a compiled program's HBM traffic goes: a table of ops by bytes accessed.
+
+For each instruction that runs as its own kernel (in the entry computation, a while body or
+condition, or a called computation; not the instructions inside a fusion), the bytes it
+reads (its operands) and writes (its result), times the number of times its computation
+runs (loop bodies scaled by their trip counts, as `measure.executed_flops` does). Ops that
+move no data (parameters, tuples, bitcasts, the control flow itself) count zero; an async
+copy or slice counts once, at its `-done`, as the data it moves read and written. This is
+the model behind XLA's "bytes accessed" (`cost_analysis()`), written out per op so that the
+big ones can be named; XLA's own total is reported beside it. An in-place update (a
+dynamic-update-slice into a loop carry) is counted whole here, so the model over-counts
+such ops: read their rows as an upper bound.
+
+    python -m bench --tpu v5e:2x4 --hbm-table 15 ...
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+from bench import measure
+
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+         "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
+         "add-dependency", "recv-done", "send-done", "all-gather-done", "all-reduce-done",
+         "collective-permute-done", "async-done", "domain"}
+
+
+def _scope(attrs):
+  """The named-scope path of an op, JAX's transformation wrappers removed."""
+  m = re.search(r'op_name="([^"]*)"', attrs)
+  if not m:
+    return ""
+  parts = [measure._unwrap(p) for p in m.group(1).split("/")]
+  return "/".join(p for p in parts[1:] if p and p not in ("shard_map", "while", "body",
+                                                           "cond", "checkpoint"))
+
+
+def _kernel_computations(mod):
+  """Computations whose instructions are kernels: the entry, loop bodies and conditions,
+  and what `call`/`conditional` instructions run (not fusion bodies or reducers)."""
+  out = {mod.entry} | {lp.body for lp in mod.loops} | {lp.condition for lp in mod.loops}
+  stack = list(out)
+  while stack:
+    comp = stack.pop()
+    for ins in mod.comps.get(comp, ()):
+      if ins.opcode in ("call", "conditional"):
+        names = re.findall(r"(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)",
+                           ins.attrs)
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.attrs):
+          names += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
+        for n in names:
+          if n not in out:
+            out.add(n)
+            stack.append(n)
+  return out
+
+
+def op_bytes(compiled_or_text, trip_counts=None):
+  """Per-op HBM bytes of one run: a list of dicts, largest first.
+
+  Each: scope (named-scope path), opcode, name, shape (result type), runs (executions),
+  read and written (bytes per run), total (bytes over the run).
+  """
+  mod = measure._module(compiled_or_text)
+  runs = mod.executions(trip_counts, default_trip_count=1)
+  rows = []
+  for comp in _kernel_computations(mod):
+    n = runs.get(comp, 0.0)
+    instrs = mod.comps.get(comp, ())
+    types = {ins.name: ins.type for ins in instrs}
+    for ins in instrs:
+      if ins.opcode in _FREE or n == 0:
+        continue
+      if ins.opcode.endswith("-start"):
+        continue  # an async op's data moves at its -done (its result tuple holds the source)
+      if ins.opcode in ("copy-done", "slice-done"):  # the slice or copy: read, then written
+        read = written = measure.shape_bytes(ins.type)
+      else:
+        read = sum(measure.shape_bytes(types.get(o, "")) for o in ins.operands)
+        written = measure.shape_bytes(ins.type)
+      rows.append(dict(scope=_scope(ins.attrs), opcode=ins.opcode, name=ins.name,
+                       shape=ins.type.split("{")[0], runs=n, read=read, written=written,
+                       total=n * (read + written)))
+  return sorted(rows, key=lambda r: -r["total"])
+
+
+def by_scope(rows, depth=2):
+  """Bytes per named-scope prefix of `depth` parts, largest first: [(scope, bytes)]."""
+  out = collections.Counter()
+  for r in rows:
+    out["/".join(r["scope"].split("/")[:depth]) or "(no scope)"] += r["total"]
+  return out.most_common()
+
+
+def table(compiled, trip_counts=None, top=15, xla_bytes=None):
+  """A Markdown report: the total, per-scope totals and the `top` ops."""
+  rows = op_bytes(compiled, trip_counts)
+  total = sum(r["total"] for r in rows)
+  gb = 1e9
+  lines = [f"HBM bytes by this model: {total / gb:.2f} GB per device per step"
+           + (f" (XLA's bytes accessed, loops scaled: {xla_bytes / gb:.2f} GB)"
+              if xla_bytes else "") + "\n",
+           "| scope | GB | share |", "|---|---|---|"]
+  lines += [f"| {s} | {b / gb:.3f} | {b / total:.1%} |" for s, b in by_scope(rows)[:top]]
+  lines += ["", "| op | scope | shape | runs | GB | share |", "|---|---|---|---|---|---|"]
+  for r in rows[:top]:
+    lines.append(f"| {r['opcode']} {r['name']} | {r['scope'] or '-'} | {r['shape'][:60]} | "
+                 f"{r['runs']:g} | {r['total'] / gb:.3f} | {r['total'] / total:.1%} |")
+  return "\n".join(lines) + "\n"
