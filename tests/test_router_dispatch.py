@@ -124,3 +124,59 @@ def test_expert_choice_grouping_matters(results):
   # is reproduced by its own grouping on one device (the tests above).
   assert not np.array_equal(results["expert_choice"]["oracle"][2],
                             results["expert_choice_4_groups"]["oracle"][2])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"), compiler_options=FAST_COMPILE)
+def run_and_grad(params, x_BSD, ct_BSD, cfg, mesh=None):
+  """(y, (dparams, dx)) of `sum(y * ct) + aux_loss`."""
+
+  def loss(params, x_BSD):
+    y, aux = ms.moe_layer(params, x_BSD, cfg, mesh)
+    return jnp.sum(y * ct_BSD) + aux["aux_loss"], y
+
+  (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BSD)
+  return y, grads
+
+
+@pytest.mark.parametrize("router", ["deepseek_like", "expert_choice"])
+def test_router_gradients_all_to_all_match_local(router, results):
+  # Gradients with respect to every parameter and x: the all_to_all dispatch on the mesh
+  # against the masked scan on one device with the same routing groups. The router bias
+  # gets none (it is moved by update_router_bias).
+  del results  # computed first: the same compiled inits
+  cfg = ROUTER_CFGS[router]
+  mesh = jax.make_mesh((2, 4), (ms.DATA, ms.EXPERT))
+  params = params_for(cfg, seed=list(ROUTER_CFGS).index(router))
+  rng = np.random.default_rng(1)
+  x_BSD, ct_BSD = (jnp.asarray(rng.normal(size=(B, S, D)), jnp.float32) for _ in range(2))
+  want_y, want = run_and_grad(params, x_BSD, ct_BSD,
+                              dataclasses.replace(cfg, impl="masked_scan", routing_groups=8))
+  placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                               ms.moe_param_specs(cfg)))
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P(ms.DATA)))  # noqa: E731
+  y, got = run_and_grad(placed, put(x_BSD), put(ct_BSD),
+                        dataclasses.replace(cfg, impl="all_to_all"), mesh)
+  assert_close(y, want_y, jnp.float32)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    assert_close(g, w, jnp.float32, jax.tree_util.keystr(path))
+  assert float(jnp.abs(want[0].router_DE).max()) > 1e-3
+  if cfg.bias_balancing:
+    np.testing.assert_array_equal(got[0].router_bias, 0.0)
+
+
+def test_expert_choice_tokens_no_expert_takes():
+  # 8 tokens, E = 4, top_k 1, capacity_factor 0.5: each expert takes ceil(0.5 * 8 / 4) = 1
+  # token, so at least 4 tokens get no routed expert: their output is exactly zero (no
+  # shared experts) and aux counts them as dropped tokens, with no dropped items.
+  cfg = ms.MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=1, expert_type="linear",
+                     router="expert_choice", capacity_factor=0.5, impl="masked_scan")
+  params = ms.init_moe_params(jax.random.key(3), cfg)
+  x_BSD = jnp.asarray(np.random.default_rng(3).normal(size=(1, 8, 4)), jnp.float32)
+  y_BSD, aux = run(params, x_BSD, cfg)
+  _, experts, _ = oracle.expert_choice(oracle.f64(x_BSD[0]) @ oracle.f64(params.router_DE), 1)
+  unrouted = np.all(experts < 0, axis=1)
+  assert unrouted.sum() >= 4
+  np.testing.assert_array_equal(y_BSD[0, unrouted], 0.0)
+  assert np.all(np.abs(np.asarray(y_BSD[0, ~unrouted])).max(axis=1) > 0)
+  assert int(aux["dropped_tokens"]) == unrouted.sum() and int(aux["dropped_items"]) == 0
+  np.testing.assert_array_equal(aux["expert_load"], 1)
