@@ -18,16 +18,18 @@ Three tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py
 grouped-matmul `BACKENDS` (grouped_matmul.py).
 """
 
+from moe_shard.balance import sequence_balance_loss, update_router_bias
 from moe_shard.config import MoEConfig, capacity
 from moe_shard.dispatch import DISPATCHES, Dispatch, choose_impl
 from moe_shard.experts import Linear, SwiGLU
 from moe_shard.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
 from moe_shard.layer import (MoEParams, init_moe_params, moe_layer, moe_param_shapes,
-                             moe_param_specs)
+                             moe_param_specs, num_routing_groups)
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.parallel import moe_all_gather, moe_all_to_all
-from moe_shard.routing import (ROUTERS, Routing, drop_over_capacity, expert_load,
-                               load_balancing_loss, router_z_loss, top_k_routing)
+from moe_shard.routing import (ROUTERS, Router, Routing, drop_over_capacity,
+                               expert_choice_routing, expert_load, load_balancing_loss,
+                               router_z_loss, top_k_routing)
 from moe_shard.sharding import DATA, EXPERT
 
 __all__ = [
@@ -41,11 +43,13 @@ __all__ = [
     "MoEParams",
     "PLATFORM_BACKENDS",
     "ROUTERS",
+    "Router",
     "Routing",
     "SwiGLU",
     "capacity",
     "choose_impl",
     "drop_over_capacity",
+    "expert_choice_routing",
     "expert_load",
     "grouped_matmul",
     "init_moe_params",
@@ -57,6 +61,9 @@ __all__ = [
     "moe_param_shapes",
     "moe_param_specs",
     "moe_ragged_dot",
+    "num_routing_groups",
     "router_z_loss",
+    "sequence_balance_loss",
     "top_k_routing",
+    "update_router_bias",
 ]

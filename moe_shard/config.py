@@ -3,7 +3,8 @@
 The three independent choices of the package are fields that take a name from their table
 or a function of the table's signature:
 
-  * `router`: `routing.ROUTERS` or `(logits_TE, cfg) -> Routing`;
+  * `router`: `routing.ROUTERS` ("top_k", "expert_choice") or
+    `(logits_TE, cfg, *, bias_E=None) -> Routing`;
   * `impl` (the dispatch): `dispatch.DISPATCHES` or
     `(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg) -> (y_TD, stats)`;
   * `gmm_impl` (the grouped-matmul backend): `grouped_matmul.IMPLS`.
@@ -12,8 +13,6 @@ or a function of the table's signature:
 from __future__ import annotations
 
 import dataclasses
-import fractions
-import math
 from typing import Callable
 
 import jax.numpy as jnp
@@ -21,10 +20,13 @@ import jax.numpy as jnp
 from moe_shard import _checks
 from moe_shard.dispatch import DISPATCHES
 from moe_shard.grouped_matmul import IMPLS as GMM_IMPLS
-from moe_shard.routing import ROUTERS
+from moe_shard.routing import ROUTERS, SCORE_FUNCS, capacity
 from moe_shard.sharding import EXPERT
 
 EXPERT_TYPES = ("swiglu", "linear")
+# The top_k router's fields and their defaults, which router="expert_choice" requires.
+TOP_K_ONLY = dict(score_func="softmax", num_groups=1, top_k_groups=None, routed_scaling=1.0,
+                  bias_balancing=False)
 IMPLS = ("auto", *DISPATCHES)
 
 
@@ -59,15 +61,18 @@ class MoEConfig:
     top_k: K experts per token, 1 <= K <= E.
     expert_type: "swiglu" (default; gate, up [E, D, F] and down [E, F, D]) or "linear"
       (w [E, D, D]).
-    router: "top_k" (default: softmax top-k, `routing.top_k_router`), or a function
-      `(logits_TE, cfg) -> Routing`.
+    router: "top_k" (default: each token picks its top_k experts, `routing.top_k_router`),
+      "expert_choice" (each expert picks its tokens, `routing.expert_choice_router`), or a
+      function `(logits_TE, cfg, *, bias_E=None) -> Routing` (README, "Routers").
     impl: the dispatch: a name of `dispatch.DISPATCHES` ("masked_scan", "ragged_dot",
       "all_gather", "all_to_all"), "auto" (default; "all_to_all" when a mesh is passed whose
       expert axis has more than one device, "ragged_dot" otherwise), or a function
       `(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg) -> (y_TD, stats)`.
     capacity_factor: None (default) for dropless routing; a real c > 0 caps each expert at
       `ceil(c * T * K / E)` (token, slot) items per call, T the tokens of the call. Items
-      past the cap are dropped by token order (see `routing.drop_over_capacity`).
+      past the cap are dropped by token order (see `routing.drop_over_capacity`). Under
+      expert choice: each expert takes `ceil(c * T_group * K / E)` tokens of each routing
+      group, c = 1.0 when None.
     chunk_size: `chunk_size` of `moe_all_to_all`: None (default), an int C (stored as
       (C, C)), or a pair (C_first, C_overflow).
     gmm_impl: grouped-matmul backend of the sorting dispatches (`grouped_matmul`'s `impl`):
@@ -76,6 +81,20 @@ class MoEConfig:
     num_shared_experts: dense SwiGLU experts every token goes through, summed (default 0).
     shared_d_ff: hidden width of each shared expert (default None: `d_ff`).
     normalize_top_k: rescale each token's K weights to sum to 1 (default True).
+    score_func: the top_k router's scores, "softmax" (default) or "sigmoid" (DeepSeek-V3;
+      its balance loss is then the sequence-wise one, `balance.sequence_balance_loss`).
+    num_groups: expert groups of the top_k router (default 1: none); must divide E.
+    top_k_groups: groups each token keeps, 1..num_groups (default None: all); top_k must be
+      <= top_k_groups * E / num_groups (DeepSeek-V3: 8 groups, keep 4).
+    routed_scaling: factor on the routed experts' combine weights (default 1.0; DeepSeek-V3
+      2.5).
+    bias_balancing: aux-loss-free balancing (default False). True gives `MoEParams` a
+      float32 `router_bias` [E], added to the scores for top-k selection only (no
+      gradient), moved by `balance.update_router_bias` after each step.
+    routing_groups: how many runs of consecutive tokens the router ranks on its own (matters
+      for expert choice; top-k is per token). Default None: one group per device on a mesh
+      whose size divides the tokens, else one group of all the tokens of the call (see
+      `layer.num_routing_groups`). An int G: G groups, G must divide the tokens of a call.
     load_balance_coef: weight of the load-balancing loss in `aux["aux_loss"]`
       (default 1e-2).
     z_loss_coef: weight of the router z-loss in `aux["aux_loss"]` (default 1e-3).
@@ -99,6 +118,12 @@ class MoEConfig:
   num_shared_experts: int = 0
   shared_d_ff: int | None = None
   normalize_top_k: bool = True
+  score_func: str = "softmax"
+  num_groups: int = 1
+  top_k_groups: int | None = None
+  routed_scaling: float = 1.0
+  bias_balancing: bool = False
+  routing_groups: int | None = None
   load_balance_coef: float = 1e-2
   z_loss_coef: float = 1e-3
   param_dtype: jnp.dtype = jnp.dtype(jnp.float32)
@@ -132,6 +157,7 @@ class MoEConfig:
     if self.shared_d_ff is not None:
       put("shared_d_ff", _checks.int_field(fn, "shared_d_ff", self.shared_d_ff, 1))
     _checks.bool_field(fn, "normalize_top_k", self.normalize_top_k)
+    self._check_router_fields(fn, put)
     for name in ("load_balance_coef", "z_loss_coef"):
       put(name, _checks.real_field(fn, name, getattr(self, name), positive=False))
     put("param_dtype", _checks.dtype_field(fn, "param_dtype", self.param_dtype))
@@ -139,6 +165,34 @@ class MoEConfig:
       put("compute_dtype", _checks.dtype_field(fn, "compute_dtype", self.compute_dtype))
     if not isinstance(self.expert_axis, str) or not self.expert_axis:
       raise TypeError(f"{fn}: expert_axis must be a non-empty str (got {self.expert_axis!r})")
+
+  def _check_router_fields(self, fn, put):
+    """Checks the fields of the top_k router and of balancing, and what expert choice uses."""
+    E = self.num_experts
+    _checks.choice_field(fn, "score_func", self.score_func, tuple(SCORE_FUNCS))
+    put("num_groups", _checks.int_field(fn, "num_groups", self.num_groups, 1))
+    _checks.divisible(fn, "num_experts", E, "num_groups", self.num_groups)
+    kept = self.num_groups
+    if self.top_k_groups is not None:
+      kept = _checks.int_field(fn, "top_k_groups", self.top_k_groups, 1)
+      if kept > self.num_groups:
+        raise ValueError(f"{fn}: top_k_groups must be <= num_groups ({self.num_groups}) "
+                         f"(got {kept})")
+      put("top_k_groups", kept)
+    if self.top_k > kept * (E // self.num_groups):
+      raise ValueError(f"{fn}: top_k must be <= top_k_groups * num_experts / num_groups "
+                       f"({kept * (E // self.num_groups)}) (got {self.top_k})")
+    put("routed_scaling", _checks.real_field(fn, "routed_scaling", self.routed_scaling,
+                                             positive=True))
+    _checks.bool_field(fn, "bias_balancing", self.bias_balancing)
+    if self.routing_groups is not None:
+      put("routing_groups", _checks.int_field(fn, "routing_groups", self.routing_groups, 1))
+    if self.router == "expert_choice":
+      # Fields of the top_k router that expert choice would silently ignore.
+      for name, default in TOP_K_ONLY.items():
+        if getattr(self, name) != default:
+          raise ValueError(f"{fn}: {name} must be {default!r} with router 'expert_choice' "
+                           f"(a top_k router field) (got {getattr(self, name)!r})")
 
   @property
   def shared_hidden(self):
@@ -148,23 +202,14 @@ class MoEConfig:
   def capacity(self, num_tokens):
     """Items each expert takes in a call of `num_tokens` tokens; None when dropless.
 
+    The top_k router's capacity over a whole call (expert choice applies its own, per
+    routing group: `routing.expert_choice_router`).
+
     `capacity(capacity_factor, T, K, E)`: the one capacity formula of the package.
     """
     if self.capacity_factor is None:
       return None
     return capacity(self.capacity_factor, num_tokens, self.top_k, self.num_experts)
-
-
-def capacity(capacity_factor, tokens, k, num_experts):
-  """Returns `ceil(capacity_factor * tokens * k / num_experts)`, the items an expert takes.
-
-  Computed exactly on the decimal value of `capacity_factor` (so 1.1 * 10 is 11, not 12).
-  At least 1 whenever tokens >= 1. The layer's capacity (`MoEConfig.capacity`, over the
-  tokens of a call) and the GShard benchmark baseline's (over the tokens of a group) both
-  use it.
-  """
-  c = fractions.Fraction(repr(float(capacity_factor)))
-  return math.ceil(c * tokens * k / num_experts)
 
 
 def check_config(fn, cfg):

@@ -5,9 +5,10 @@
 `moe_layer` composes the three independent choices of the package, each a named stage:
 
   * route    (`routing.py`): float32 router logits -> the router of `MoEConfig.router`
-    (default softmax top-k) -> (weights, experts);
-    the auxiliary losses; then, with a capacity, `drop_over_capacity` sets the expert id of
-    every item past its expert's capacity to -1.
+    (default softmax top-k; with `bias_balancing`, `params.router_bias` shifts the
+    selection) run on each routing group -> (weights, experts); the auxiliary losses
+    (`balance.py`); then, with a capacity, `drop_over_capacity` sets the expert id of
+    every item past its expert's capacity to -1 (expert choice applies its own).
   * dispatch (`dispatch.py`): an entry of `DISPATCHES` or the user's function, chosen by
     `MoEConfig.impl`. Ids outside [0, E) contribute zero in every one of them, so capacity
     drops give the same result whatever the implementation.
@@ -18,11 +19,11 @@ already placed: expert weights split over the expert axis, router and shared exp
 replicated (`moe_param_specs`).
 
 On a mesh. Tokens are split over every mesh axis. The router runs per device under `shard_map`
-(`route`). `jax.make_mesh` defaults to `AxisType.Explicit`, under which JAX
-refuses to guess shardings for sort and scatter: the stages that are plain array programs
-(capacity, load statistics, the local implementations) run under `jax.sharding.auto_axes`,
-so XLA chooses their shardings; the expert-parallel implementations place their inputs
-themselves. The output has the sharding of `x_BSD`. Capacity needs the global token order:
+(`route`), so by default a routing group is the tokens of one device (`num_routing_groups`).
+`jax.make_mesh` defaults to `AxisType.Explicit`, under which JAX refuses to guess shardings
+for sort and scatter: the stages that are plain array programs (capacity, load statistics,
+the local implementations) run under `jax.sharding.auto_axes`, so XLA chooses their
+shardings; the expert-parallel implementations place their inputs themselves. The output has the sharding of `x_BSD`. Capacity needs the global token order:
 on a mesh XLA all-gathers the T*K int32 expert ids for it (4*K bytes per token, against
 D*b for the token itself).
 """
@@ -42,8 +43,8 @@ from moe_shard import _checks
 from moe_shard.config import check_config
 from moe_shard.dispatch import choose_impl, get_dispatch
 from moe_shard.experts import Linear, SwiGLU
-from moe_shard.routing import (Routing, drop_over_capacity, expert_load, get_router,
-                               load_balancing_loss, router_z_loss)
+from moe_shard.balance import expert_load, router_z_loss
+from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
 from moe_shard.sharding import (auto, check_mesh, flatten_tokens, like, place, token_spec,
                                 unflatten_tokens)
 
@@ -61,11 +62,16 @@ class MoEParams:
       expert axis first.
     shared: the shared experts, `SwiGLU` with the shared-expert axis first
       ([num_shared, D, F_shared] and [num_shared, F_shared, D]), or None when there are none.
+    router_bias: f32[E] selection bias of aux-loss-free balancing (`MoEConfig(
+      bias_balancing=True)`; zeros at init), or None (default). Not a trained weight: it
+      gets no gradient and `balance.update_router_bias` moves it; keep it out of the
+      optimizer (README, "Routers").
   """
 
   router_DE: jax.Array
   experts: SwiGLU | Linear
   shared: SwiGLU | None
+  router_bias: jax.Array | None = None
 
 
 def moe_param_shapes(cfg):
@@ -92,15 +98,16 @@ def moe_param_shapes(cfg):
   if cfg.num_shared_experts:
     H, Fs = cfg.num_shared_experts, cfg.shared_hidden
     shared = SwiGLU(gate_EDF=s(H, D, Fs), up_EDF=s(H, D, Fs), down_EFD=s(H, Fs, D))
-  return MoEParams(jax.ShapeDtypeStruct((D, E), jnp.float32), experts, shared)
+  bias = jax.ShapeDtypeStruct((E,), jnp.float32) if cfg.bias_balancing else None
+  return MoEParams(jax.ShapeDtypeStruct((D, E), jnp.float32), experts, shared, bias)
 
 
 def moe_param_specs(cfg):
   """Returns the `PartitionSpec` of every parameter, as a `MoEParams`.
 
-  Expert weights are split over `cfg.expert_axis` on their first (expert) axis; the router
-  and the shared experts are replicated. For a stack of layers (a leading layer axis),
-  prepend None: `jax.tree.map(lambda s: P(None, *s), specs)`.
+  Expert weights are split over `cfg.expert_axis` on their first (expert) axis; the router,
+  the shared experts and the router bias (`P(None)`) are replicated. For a stack of layers
+  (a leading layer axis), prepend None: `jax.tree.map(lambda s: P(None, *s), specs)`.
 
   Args:
     cfg: `MoEConfig`.
@@ -113,7 +120,8 @@ def moe_param_specs(cfg):
   return MoEParams(
       router_DE=P(),
       experts=jax.tree.map(lambda _: P(cfg.expert_axis), shapes.experts),
-      shared=jax.tree.map(lambda _: P(), shapes.shared))
+      shared=jax.tree.map(lambda _: P(), shapes.shared),
+      router_bias=P(None) if cfg.bias_balancing else None)
 
 
 def init_moe_params(key, cfg, mesh=None):
@@ -121,7 +129,8 @@ def init_moe_params(key, cfg, mesh=None):
 
   With a mesh, the whole initialisation runs under `jax.jit` with `out_shardings`
   (`moe_param_specs`): every device generates only its own shard, nothing is built on one
-  device first. The values do not depend on the mesh (partitionable threefry).
+  device first. The values do not depend on the mesh (partitionable threefry), nor on
+  `bias_balancing` (the router bias starts at zero).
 
   Args:
     key: a `jax.random` key.
@@ -130,7 +139,8 @@ def init_moe_params(key, cfg, mesh=None):
       `cfg.expert_axis`, whose size must divide `cfg.num_experts`.
 
   Returns:
-    `MoEParams`: router_DE f32[D, E]; experts and shared in `cfg.param_dtype`.
+    `MoEParams`: router_DE f32[D, E]; experts and shared in `cfg.param_dtype`; router_bias
+    f32[E] zeros with `bias_balancing`, else None.
 
   Raises:
     TypeError: cfg is not a `MoEConfig`, or mesh not a `Mesh`.
@@ -140,25 +150,32 @@ def init_moe_params(key, cfg, mesh=None):
   check_config(fn, cfg)
   if mesh is not None:
     check_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, optional=True)
-  # Fields that do not shape the parameters are reset, so that configs differing only in
-  # them (e.g. impl) share one compiled init.
-  shape_cfg = dataclasses.replace(
-      cfg, top_k=1, router="top_k", impl="auto", capacity_factor=None, chunk_size=None, gmm_impl="auto",
-      normalize_top_k=True, load_balance_coef=0.0, z_loss_coef=0.0, compute_dtype=None)
+  # Only the fields that shape the parameters, so that configs differing in others (e.g.
+  # impl) share one compiled init.
+  shape_cfg = type(cfg)(
+      d_model=cfg.d_model, d_ff=cfg.d_ff, num_experts=cfg.num_experts, top_k=1,
+      expert_type=cfg.expert_type, num_shared_experts=cfg.num_shared_experts,
+      shared_d_ff=cfg.shared_d_ff, param_dtype=cfg.param_dtype, expert_axis=cfg.expert_axis,
+      bias_balancing=cfg.bias_balancing)
   return _initializer(shape_cfg, mesh)(key)
 
 
 @functools.lru_cache(maxsize=32)
 def _initializer(cfg, mesh):
   """The jitted init of one (config, mesh), built once: threefry is slow to compile on CPU."""
-  leaves, treedef = jax.tree.flatten(moe_param_shapes(cfg))
+  shapes = moe_param_shapes(cfg)
+  leaves, treedef = jax.tree.flatten(dataclasses.replace(shapes, router_bias=None))
 
   def init(key):
     keys = jax.random.split(key, len(leaves))
     # Every matrix maps its second-to-last axis (the fan-in) to its last.
-    return jax.tree.unflatten(treedef, [
+    params = jax.tree.unflatten(treedef, [
         (jax.random.normal(k, s.shape, jnp.float32) / math.sqrt(s.shape[-2])).astype(s.dtype)
         for k, s in zip(keys, leaves)])
+    if shapes.router_bias is None:
+      return params
+    return dataclasses.replace(params, router_bias=jnp.zeros(shapes.router_bias.shape,
+                                                             jnp.float32))
 
   if mesh is None:
     return jax.jit(init)
@@ -180,7 +197,9 @@ def _check_params(fn, params, cfg):
     extra = [f"params{k}" for k in got if k not in want]
     raise ValueError(f"{fn}: params must have the leaves of this MoEConfig "
                      f"(expert_type={cfg.expert_type!r}, num_shared_experts="
-                     f"{cfg.num_shared_experts}): missing {missing}, unexpected {extra}")
+                     f"{cfg.num_shared_experts}"
+                     f"{', bias_balancing=True' if cfg.bias_balancing else ''}): "
+                     f"missing {missing}, unexpected {extra}")
   for k, s in want.items():
     a = _checks.float_array(fn, f"params{k}", got[k])
     if tuple(a.shape) != s.shape:
@@ -191,32 +210,82 @@ def _check_params(fn, params, cfg):
 # --------------------------------------------------------------------------- routing stage
 
 
-def route(logits_TE, cfg, mesh=None):
-  """Runs the router of `cfg.router` on the router logits, token-parallel on a mesh.
+def num_routing_groups(cfg, num_tokens, mesh=None):
+  """Returns G, the routing groups of a call: runs of consecutive tokens routed on their own.
+
+  A router sees the tokens of one group at a time (`routing.route_in_groups`). Top-k is per
+  token, so G changes nothing there; expert choice ranks each group's tokens on its own, so
+  its result depends on G. `cfg.routing_groups` when set; by default (None) one group per
+  device on a mesh whose size divides the tokens (the router then runs per device, with no
+  communication), else 1 (all the tokens of the call). Group g is tokens [g*T/G, (g+1)*T/G)
+  of the flattened `x_BSD` (batch-major), which on a mesh is the g-th device's share of the
+  tokens, in the order of the mesh's devices. So a mesh result is reproduced on one device by
+  `routing_groups=mesh.size`.
+
+  Args:
+    cfg: `MoEConfig`.
+    num_tokens: T, the tokens of the call (B * S).
+    mesh: None (default) or the layer's mesh.
+
+  Returns:
+    int G, dividing T.
+
+  Raises:
+    ValueError: `cfg.routing_groups` does not divide T.
+  """
+  if cfg.routing_groups is not None:
+    _checks.divisible("moe_layer", "tokens B*S", num_tokens, "routing_groups",
+                      cfg.routing_groups)
+    return cfg.routing_groups
+  if mesh is not None and num_tokens % mesh.size == 0:
+    return mesh.size
+  return 1
+
+
+def route(logits_TE, cfg, mesh=None, bias_E=None):
+  """Runs the router of `cfg.router` on each routing group, token-parallel on a mesh.
 
   XLA's partitioner all-gathers the input of TopK (every device would route all T tokens),
-  so on a mesh whose size divides T the router runs under `shard_map` over the tokens
-  instead: it is per token and needs no communication.
+  so on a mesh whose size divides T and the number of groups G (`num_routing_groups`) the
+  router runs under `shard_map` over the tokens instead, G / mesh.size groups per device:
+  no communication. Otherwise it runs on the whole [T, E] array, a vmap over groups.
 
   Args:
     logits_TE: f32[T, E] router logits.
     cfg: `MoEConfig` (router, top_k, normalize_top_k, ...).
     mesh: None (default) or the layer's mesh.
+    bias_E: None (default) or f32[E] selection bias (`bias_balancing`), passed to the router.
 
   Returns:
-    `Routing`, split over every mesh axis when on a mesh.
+    `Routing`, split over every mesh axis when on a mesh that divides T.
   """
-  if mesh is None or logits_TE.shape[0] % mesh.size:
-    return get_router(cfg.router)(logits_TE, cfg)
-  return _token_parallel_router(cfg, mesh)(place(logits_TE, mesh, token_spec(mesh)))
+  T = logits_TE.shape[0]
+  G = num_routing_groups(cfg, T, mesh)
+  kwargs = {} if bias_E is None else dict(bias_E=bias_E)
+  if mesh is not None and T % mesh.size == 0 and G % mesh.size == 0:
+    router = _token_parallel_router(cfg, mesh, G // mesh.size, bias_E is not None)
+    return router(place(logits_TE, mesh, token_spec(mesh)),
+                  *([] if bias_E is None else [place(bias_E, mesh, P())]))
+  router = functools.partial(route_in_groups, get_router(cfg.router), cfg=cfg, groups=G,
+                             **kwargs)
+  if G == 1:
+    return router(logits_TE)
+  # Groups of a token-split array: let XLA choose the shardings of the reshape and the sort.
+  return auto(router, logits_TE, lambda spec: Routing(spec, spec, spec))(logits_TE)
 
 
 @functools.lru_cache(maxsize=64)
-def _token_parallel_router(cfg, mesh):
+def _token_parallel_router(cfg, mesh, groups_per_device, with_bias):
   """The router of one (config, mesh) under shard_map, built once (no re-trace per call)."""
   tok = token_spec(mesh)
-  router = functools.partial(get_router(cfg.router), cfg=cfg)
-  return jax.jit(jax.shard_map(router, mesh=mesh, in_specs=tok,
+  router = get_router(cfg.router)
+
+  def body(logits_TE, *bias_E):  # per device: T / mesh.size tokens
+    kwargs = dict(bias_E=bias_E[0]) if with_bias else {}
+    return route_in_groups(router, logits_TE, cfg, groups_per_device, **kwargs)
+
+  in_specs = (tok, P()) if with_bias else (tok,)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                                out_specs=Routing(tok, tok, tok)))
 
 
@@ -240,7 +309,7 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
   """Applies one MoE layer: route, (drop over capacity), dispatch, combine, add shared.
 
       logits_TE = x_TD @ router_DE                      (float32)
-      weights_TK, experts_TK = top_k(softmax(logits_TE))
+      weights_TK, experts_TK = router(logits_TE)        (per routing group; default top-k)
       y[t] = shared(x[t]) + sum_j weights[t, j] * expert(W[experts[t, j]], x[t])
 
   T = B * S tokens. Works under `jax.jit` (cfg and mesh static), `jax.grad` (w.r.t. params
@@ -259,22 +328,26 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
     (y_BSD, aux). y_BSD has the shape, dtype and sharding of x_BSD. aux is a dict:
       aux_loss: f32[] `load_balance_coef * load_balance_loss + z_loss_coef * z_loss`,
         to add to the training loss.
-      load_balance_loss: f32[] `load_balancing_loss` of the router's choices (before any
-        capacity drop), unweighted; 1.0 when balanced.
+      load_balance_loss: f32[] the router's balance loss of its choices (before any
+        capacity drop), unweighted; 1.0 when balanced: softmax top-k
+        `load_balancing_loss`, sigmoid top-k `sequence_balance_loss` over each of the B
+        sequences, expert choice 0.0 (`balance.py`).
       z_loss: f32[] `router_z_loss`, unweighted.
       expert_load: i32[E] (token, slot) items each expert computed (after capacity drops).
       rounds: i32[] dispatch rounds: the dispatch's `stats["rounds"]` (the all_to_all's,
         >= 1), else 1 (one pass).
       dropped_items: i32[] (token, slot) items dropped by the capacity (0 when dropless),
         plus any the dispatch reports dropping (`stats["dropped_items"]`).
-      dropped_tokens: i32[] tokens all of whose K items were dropped by the capacity (they
-        get the shared experts' output only).
+      dropped_tokens: i32[] tokens that reach no routed expert: all of their K items dropped
+        by the capacity, or under expert choice chosen by no expert (they get the shared
+        experts' output only).
     Other statistics of a dispatch (e.g. the all_to_all's items sent per device) come from
     calling it directly (`moe_all_to_all(..., return_stats=True)`).
 
   Raises:
     TypeError, ValueError: a bad cfg, mesh, x (rank, dtype, d_model) or params (a leaf
-      missing or of the wrong shape, named), at trace time.
+      missing or of the wrong shape, named), or `cfg.routing_groups` not dividing B * S, at
+      trace time.
   """
   fn = "moe_layer"
   check_config(fn, cfg)
@@ -292,17 +365,23 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
                      f"{cfg.expert_axis!r} (got mesh=None)")
   E = cfg.num_experts
   compute_dtype = cfg.compute_dtype or x_BSD.dtype
+  router = get_router(cfg.router)
 
   x_TD = flatten_tokens(x_BSD, mesh)  # on an Explicit mesh: split over it (if T divides)
   T = x_TD.shape[0]
+  num_routing_groups(cfg, T, mesh)  # raises on groups that do not divide T
   with jax.named_scope("route"):
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
                            params.router_DE.astype(jnp.float32))
-    routing = route(logits_TE, cfg, mesh)
-    lb_loss = auto(load_balancing_loss, routing.experts_TK, lambda _: P())(routing)
+    bias_E = params.router_bias
+    if bias_E is not None:  # selection only: it is moved by update_router_bias, not grad
+      bias_E = jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+    routing = route(logits_TE, cfg, mesh, bias_E)
+    balance_loss = functools.partial(router.balance_loss, cfg=cfg, seq_len=x_BSD.shape[1])
+    lb_loss = auto(balance_loss, routing.experts_TK, lambda _: P())(routing)
     z_loss = router_z_loss(logits_TE)
     experts_TK = routing.experts_TK
-    capacity = cfg.capacity(T)
+    capacity = None if router.applies_capacity else cfg.capacity(T)
     if capacity is None:
       dropped_TK = jnp.zeros_like(experts_TK, dtype=bool)
     else:
@@ -328,6 +407,7 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
       rounds=jnp.asarray(stats.get("rounds", 1), jnp.int32),
       # Items the dispatch itself dropped (a capacity-limited dispatch) count too.
       dropped_items=jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0),
-      dropped_tokens=jnp.sum(jnp.all(dropped_TK, axis=1), dtype=jnp.int32),
+      dropped_tokens=jnp.sum(jnp.all((experts_TK < 0) | (experts_TK >= E), axis=1),
+                             dtype=jnp.int32),
   )
   return like(y_BSD, x_BSD), aux

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
-from moe_shard.routing import expert_load
+from moe_shard.balance import expert_load
 from moe_shard.sharding import (EXPERT, check_mesh, place, token_spec, trim, vary_over,
                                 zeros_varying)
 

@@ -1,22 +1,47 @@
-"""Routing: which experts each token goes to, with what weight, and the auxiliary losses.
+"""Routing: which experts each token goes to and with what weight; the router table.
 
 Router math runs in float32 whatever the dtype of the logits. Nothing here knows about
 meshes or dispatch.
 
-`ROUTERS` is the router table: a name maps to a function `(logits_TE, cfg) -> Routing`
-(`MoEConfig.router` takes a name from it or such a function). A new router is one function
-and one entry. `drop_over_capacity` turns a routing into a capacity-limited one.
+Two routers, each a pure function:
+
+  * `top_k_routing`: each token picks its k experts (softmax or sigmoid scores, optionally
+    DeepSeek-V3's group-limited selection and a selection-only bias);
+  * `expert_choice_routing`: each expert picks its `capacity` tokens (Zhou et al. 2022), so a
+    token gets 0..E experts; "not chosen" is expert id -1, which every dispatch ignores.
+
+Ties go to the lowest index, as `lax.top_k` breaks them: between equal scores the expert
+(or, under expert choice, the token; under group-limited routing, the group) with the lower
+index is chosen.
+
+`ROUTERS` is the router table: a name maps to a `Router`, a function
+`(logits_TE, cfg, *, bias_E=None) -> Routing` with the facts the layer needs beside it (its
+balance loss, whether it applies the capacity itself). `MoEConfig.router` takes a name from
+it or such a function. A router sees the tokens of one *routing group* (see
+`layer.num_routing_groups`): for a per-token router such as top-k the grouping changes
+nothing; expert choice ranks the tokens of its group. `drop_over_capacity` turns a
+routing into a capacity-limited one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks
+from moe_shard.balance import load_balancing_loss, sequence_balance_loss
 from moe_shard.local import inverse_permutation, sort_by_expert
+
+# Score functions of `top_k_routing`: float32 logits -> float32 scores, per token.
+SCORE_FUNCS = {
+    "softmax": lambda logits_TE: jax.nn.softmax(logits_TE, axis=-1),
+    "sigmoid": jax.nn.sigmoid,
+}
 
 
 @jax.tree_util.register_dataclass
@@ -25,9 +50,11 @@ class Routing:
   """The result of a router, a pytree that passes through `jax.jit`.
 
   Attributes:
-    weights_TK: f32[T, K] combine weights of each token's experts.
-    experts_TK: i32[T, K] expert ids, highest probability first.
-    probs_TE: f32[T, E] softmax of the router logits.
+    weights_TK: f32[T, K] combine weights of each token's experts (0 for an id of -1).
+    experts_TK: i32[T, K] expert ids: for top-k, highest selection score first; for expert
+      choice K = E and slot e holds e if expert e chose the token, else -1.
+    probs_TE: f32[T, E] the router's scores, without any selection bias: softmax
+      probabilities, or sigmoid scores (which need not sum to 1).
   """
 
   weights_TK: jax.Array
@@ -35,92 +62,230 @@ class Routing:
   probs_TE: jax.Array
 
 
-def top_k_routing(logits_TE, k, *, normalize=True) -> Routing:
-  """Picks the k highest-probability experts for each token.
+def top_k_routing(logits_TE, k, *, normalize=True, score_func="softmax", num_groups=1,
+                  top_k_groups=None, bias_E=None, scaling=1.0) -> Routing:
+  """Picks the k highest-scoring experts for each token.
+
+      scores_TE = score_func(logits_TE)                       (float32)
+      select_TE = scores_TE + bias_E                          (selection only)
+      group-limited (num_groups G > 1): the E experts form G groups of E / G consecutive ids;
+        a token ranks its groups by the sum of the top-2 select scores in each (the top-1
+        when a group has one expert) and keeps its `top_k_groups` best (DeepSeek-V3);
+      experts_TK = the k largest select scores in the kept groups, highest first;
+      weights_TK = scores_TE[experts_TK]  (unbiased), / their sum if normalize, * scaling.
+
+  The defaults are softmax top-k with normalized weights. DeepSeek-V3 is
+  `score_func="sigmoid", num_groups=8, top_k_groups=4, bias_E=..., scaling=2.5` with k = 8
+  of E = 256. The bias changes which experts are chosen, never their weights; it gets no
+  gradient through the selection. Ties go to the lowest index (module docstring).
 
   Args:
     logits_TE: f[T, E] router logits (any float dtype; the math runs in float32).
-    k: experts per token, a Python int with 1 <= k <= E.
+    k: experts per token, a Python int with 1 <= k <= top_k_groups * E / num_groups.
     normalize: rescale the k weights of each token to sum to 1 (default True). When False
-      the weights are the softmax probabilities themselves.
+      the weights are the scores themselves (times scaling).
+    score_func: "softmax" (default) or "sigmoid".
+    num_groups: G expert groups (default 1: no group limit); must divide E.
+    top_k_groups: groups each token keeps, 1 <= top_k_groups <= G (default None: all G).
+    bias_E: None (default) or f[E] selection bias, added to the scores for selection only.
+    scaling: factor on the combine weights, a real > 0 (default 1.0).
 
   Returns:
-    Routing(weights_TK: f32[T, K], experts_TK: i32[T, K], probs_TE: f32[T, E]).
+    Routing(weights_TK: f32[T, K], experts_TK: i32[T, K], probs_TE: f32[T, E] the scores).
 
   Raises:
-    TypeError: `logits_TE` is not a float array or `k` is not an int.
-    ValueError: `logits_TE` is not 2-D or `k` is outside [1, E].
+    TypeError: `logits_TE` or `bias_E` is not a float array, or `k`, `num_groups`,
+      `top_k_groups` is not an int.
+    ValueError: `logits_TE` is not 2-D, `bias_E` not of shape [E], an unknown `score_func`,
+      G does not divide E, `top_k_groups` outside [1, G], `k` outside
+      [1, top_k_groups * E / G], `scaling` not finite and > 0.
   """
-  logits_TE = _checks.float_array("top_k_routing", "logits_TE", logits_TE, ndim=2)
-  _, E = logits_TE.shape
-  _checks.int_in_range("top_k_routing", "k", k, 1, E)
-  probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
-  weights_TK, experts_TK = jax.lax.top_k(probs_TE, k)
+  fn = "top_k_routing"
+  logits_TE = _checks.float_array(fn, "logits_TE", logits_TE, ndim=2)
+  T, E = logits_TE.shape
+  _checks.int_in_range(fn, "k", k, 1, E)
+  _checks.choice_field(fn, "score_func", score_func, tuple(SCORE_FUNCS))
+  G = _checks.int_in_range(fn, "num_groups", num_groups, 1, E)
+  _checks.divisible(fn, "E", E, "num_groups", G)
+  kept = G if top_k_groups is None else _checks.int_in_range(fn, "top_k_groups",
+                                                             top_k_groups, 1, G)
+  if k > kept * (E // G):
+    raise ValueError(f"{fn}: k must be <= top_k_groups * E / num_groups = {kept * (E // G)} "
+                     f"(got {k})")
+  if bias_E is not None:
+    bias_E = _checks.float_array(fn, "bias_E", bias_E, ndim=1)
+    if bias_E.shape != (E,):
+      raise ValueError(f"{fn}: bias_E must have shape ({E},) (got {tuple(bias_E.shape)})")
+  scaling = _checks.real_field(fn, "scaling", scaling, positive=True)
+
+  scores_TE = SCORE_FUNCS[score_func](logits_TE.astype(jnp.float32))
+  select_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(jnp.float32)
+  if kept < G:
+    select_TE = _limit_to_groups(select_TE, G, kept)
+  weights_TK, experts_TK = jax.lax.top_k(select_TE, k)
+  if bias_E is not None or kept < G:
+    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=1)
   if normalize:
-    weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
-  return Routing(weights_TK, experts_TK.astype(jnp.int32), probs_TE)
+    # tiny: a token whose k sigmoid scores all underflow gets zero weights, not NaN. A
+    # softmax's k largest sum to >= k / E, so there this divides by the sum itself.
+    weights_TK = weights_TK / jnp.maximum(jnp.sum(weights_TK, axis=-1, keepdims=True),
+                                          jnp.finfo(jnp.float32).tiny)
+  if scaling != 1.0:
+    weights_TK = weights_TK * scaling
+  return Routing(weights_TK, experts_TK.astype(jnp.int32), scores_TE)
 
 
-def expert_load(experts_TK, num_experts):
-  """Counts the (token, slot) items routed to each expert; ids outside [0, E) are not counted.
-
-  Args:
-    experts_TK: int[T, K] (or int[T]) expert ids.
-    num_experts: E.
-
-  Returns:
-    i32[E] items per expert.
-  """
-  ids = jnp.ravel(experts_TK)
-  # A one-hot sum, not a scatter: it partitions over sharded ids on any mesh. one_hot of an
-  # id outside [0, E) is all zeros.
-  return jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
+def _limit_to_groups(select_TE, num_groups, kept):
+  """`select_TE` with -inf outside each token's `kept` best groups (top-2 sum per group)."""
+  T, E = select_TE.shape
+  M = E // num_groups  # experts per group
+  select_TGM = select_TE.reshape(T, num_groups, M)
+  group_TG = jnp.sum(jax.lax.top_k(select_TGM, min(2, M))[0], axis=-1)
+  _, groups_TJ = jax.lax.top_k(group_TG, kept)  # J = kept groups
+  keep_TG = jnp.any(groups_TJ[:, :, None] == jnp.arange(num_groups), axis=1)
+  return jnp.where(keep_TG[:, :, None], select_TGM, -jnp.inf).reshape(T, E)
 
 
-def load_balancing_loss(routing: Routing):
-  """Returns the Switch/GShard load-balancing loss `E * sum_e f_e * P_e`.
+def expert_choice_routing(logits_TE, capacity) -> Routing:
+  """Lets each expert pick the `capacity` tokens that score it highest (expert choice).
 
-  `f_e` is the fraction of the T*K (token, slot) items routed to expert e and `P_e` the mean
-  router probability of expert e. It is 1.0 when routing is perfectly balanced and E when
-  every token goes to one expert with probability 1. Gradients flow through `P_e` only.
+      probs_TE = softmax(logits_TE) over experts             (float32)
+      expert e takes the `capacity` tokens t with the largest probs_TE[t, e]
+      experts_TE[t, e] = e if e took t, else -1;  weights_TE = probs_TE where taken, else 0
 
-  Args:
-    routing: a `Routing` from `top_k_routing`.
-
-  Returns:
-    f32[] the loss.
-  """
-  T, E = routing.probs_TE.shape
-  f_E = expert_load(routing.experts_TK, E).astype(jnp.float32) / routing.experts_TK.size
-  P_E = jnp.mean(routing.probs_TE.astype(jnp.float32), axis=0)
-  return E * jnp.sum(jax.lax.stop_gradient(f_E) * P_E)
-
-
-def router_z_loss(logits_TE):
-  """Returns the router z-loss `mean_t logsumexp(logits_TE[t])^2` (ST-MoE), in float32.
+  So every expert computes exactly `capacity` tokens, and a token gets 0 to E experts (0:
+  only the shared experts and the residual reach it). Ties go to the lower token index. The
+  result depends on which tokens are ranked together: the layer routes each routing group
+  on its own (`layer.num_routing_groups`).
 
   Args:
-    logits_TE: f[T, E] router logits.
+    logits_TE: f[T, E] router logits of the tokens of one group (the math runs in float32).
+    capacity: tokens each expert takes, a Python int with 1 <= capacity <= T.
 
   Returns:
-    f32[] the loss.
+    Routing(weights_TK: f32[T, E], experts_TK: i32[T, E] (-1: not chosen), probs_TE).
+
+  Raises:
+    TypeError: `logits_TE` is not a float array or `capacity` is not an int.
+    ValueError: `logits_TE` is not 2-D or `capacity` is outside [1, T].
   """
-  logits_TE = _checks.float_array("router_z_loss", "logits_TE", logits_TE, ndim=2)
-  z_T = jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)
-  return jnp.mean(jnp.square(z_T))
+  fn = "expert_choice_routing"
+  logits_TE = _checks.float_array(fn, "logits_TE", logits_TE, ndim=2)
+  T, E = logits_TE.shape
+  C = _checks.int_in_range(fn, "capacity", capacity, 1, T)
+  probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
+  _, tokens_EC = jax.lax.top_k(probs_TE.T, C)
+  experts_EC = jnp.broadcast_to(jnp.arange(E, dtype=jnp.int32)[:, None], (E, C))
+  experts_TE = jnp.full((T, E), -1, jnp.int32).at[tokens_EC, experts_EC].set(experts_EC)
+  weights_TE = jnp.where(experts_TE >= 0, probs_TE, 0.0)
+  return Routing(weights_TE, experts_TE, probs_TE)
 
 
-def top_k_router(logits_TE, cfg):
-  """The "top_k" router: `top_k_routing(logits_TE, cfg.top_k, normalize=cfg.normalize_top_k)`."""
-  return top_k_routing(logits_TE, cfg.top_k, normalize=cfg.normalize_top_k)
+def capacity(capacity_factor, tokens, k, num_experts):
+  """Returns `ceil(capacity_factor * tokens * k / num_experts)`, the items an expert takes.
+
+  Computed exactly on the decimal value of `capacity_factor` (so 1.1 * 10 is 11, not 12).
+  At least 1 whenever tokens >= 1. The layer's capacity (`MoEConfig.capacity`, over the
+  tokens of a call), expert choice's (over the tokens of a routing group) and the GShard
+  benchmark baseline's (over the tokens of a group) all use it.
+  """
+  c = fractions.Fraction(repr(float(capacity_factor)))
+  return math.ceil(c * tokens * k / num_experts)
 
 
-ROUTERS = {"top_k": top_k_router}
+# --------------------------------------------------------------------------- router table
+
+
+def top_k_router(logits_TE, cfg, *, bias_E=None):
+  """The "top_k" router: `top_k_routing` with the config's fields (top_k, normalize_top_k,
+  score_func, num_groups, top_k_groups, routed_scaling) and the layer's selection bias."""
+  return top_k_routing(logits_TE, cfg.top_k, normalize=cfg.normalize_top_k,
+                       score_func=cfg.score_func, num_groups=cfg.num_groups,
+                       top_k_groups=cfg.top_k_groups, bias_E=bias_E,
+                       scaling=cfg.routed_scaling)
+
+
+def expert_choice_router(logits_TE, cfg):
+  """The "expert_choice" router over the tokens of one routing group (T_group of them).
+
+  Capacity `capacity(capacity_factor, T_group, top_k, E)` (capacity_factor None means 1.0),
+  at most T_group: on average each token gets `top_k * capacity_factor` experts.
+  """
+  T, E = logits_TE.shape
+  factor = 1.0 if cfg.capacity_factor is None else cfg.capacity_factor
+  return expert_choice_routing(logits_TE, min(capacity(factor, T, cfg.top_k, E), T))
+
+
+def top_k_balance_loss(routing, cfg, seq_len):
+  """Softmax: `load_balancing_loss` over the call; sigmoid: `sequence_balance_loss`."""
+  if cfg.score_func == "sigmoid":
+    return sequence_balance_loss(routing, seq_len)
+  return load_balancing_loss(routing)
+
+
+def batch_balance_loss(routing, cfg, seq_len):
+  """`load_balancing_loss` over the call (the default for a user's router)."""
+  del cfg, seq_len
+  return load_balancing_loss(routing)
+
+
+def no_balance_loss(routing, cfg, seq_len):
+  """0.0: a router balanced by construction."""
+  del routing, cfg, seq_len
+  return jnp.zeros((), jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+  """An entry of the router table; calling it calls `fn`.
+
+  Attributes:
+    fn: `(logits_TE, cfg, *, bias_E=None) -> Routing` over the tokens of one routing group.
+      `bias_E` (f32[E], no gradient) is passed only when `cfg.bias_balancing`.
+    balance_loss: `(routing, cfg, seq_len) -> f32[]`, the layer's `load_balance_loss`
+      (default: `load_balancing_loss`).
+    applies_capacity: the router applies `cfg.capacity_factor` itself, per routing group,
+      and the layer does not drop over capacity (default False).
+  """
+
+  fn: Callable
+  balance_loss: Callable = batch_balance_loss
+  applies_capacity: bool = False
+
+  def __call__(self, logits_TE, cfg, **kwargs):
+    return self.fn(logits_TE, cfg, **kwargs)
+
+
+ROUTERS = {
+    "top_k": Router(top_k_router, balance_loss=top_k_balance_loss),
+    "expert_choice": Router(expert_choice_router, balance_loss=no_balance_loss,
+                            applies_capacity=True),
+}
 
 
 def get_router(router):
-  """The router function of a `MoEConfig.router` value (a name of `ROUTERS` or a function)."""
-  return ROUTERS[router] if isinstance(router, str) else router
+  """The `Router` of a `MoEConfig.router` value (a name of `ROUTERS` or a function)."""
+  if isinstance(router, str):
+    return ROUTERS[router]
+  return router if isinstance(router, Router) else Router(router)
+
+
+def route_in_groups(router, logits_TE, cfg, groups, **kwargs):
+  """Runs `router` on each of `groups` equal runs of consecutive tokens; one Routing of T.
+
+  Args:
+    router: a router function `(logits_TE, cfg, **kwargs) -> Routing`.
+    logits_TE: f32[T, E], T divisible by `groups`.
+    cfg: `MoEConfig`.
+    groups: G, a Python int; group g is tokens [g * T / G, (g + 1) * T / G).
+    **kwargs: passed to every call (e.g. bias_E).
+  """
+  if groups == 1:
+    return router(logits_TE, cfg, **kwargs)
+  T, E = logits_TE.shape
+  routing = jax.vmap(lambda l_TE: router(l_TE, cfg, **kwargs))(
+      logits_TE.reshape(groups, T // groups, E))
+  return jax.tree.map(lambda a: a.reshape(T, *a.shape[2:]), routing)
 
 
 def drop_over_capacity(experts_TK, num_experts, capacity):
