@@ -18,8 +18,9 @@ Three tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py
 grouped-matmul `BACKENDS` (grouped_matmul.py).
 """
 
-from moe_shard.balance import sequence_balance_loss, update_router_bias
-from moe_shard.config import MoEConfig, capacity
+from moe_shard.balance import (expert_load, load_balancing_loss, router_z_loss,
+                               sequence_balance_loss, update_router_bias)
+from moe_shard.config import MoEConfig
 from moe_shard.dispatch import DISPATCHES, Dispatch, choose_impl
 from moe_shard.experts import Linear, SwiGLU
 from moe_shard.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
@@ -27,9 +28,8 @@ from moe_shard.layer import (MoEParams, init_moe_params, moe_layer, moe_param_sh
                              moe_param_specs, num_routing_groups)
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.parallel import moe_all_gather, moe_all_to_all
-from moe_shard.routing import (ROUTERS, Router, Routing, drop_over_capacity,
-                               expert_choice_routing, expert_load, load_balancing_loss,
-                               router_z_loss, top_k_routing)
+from moe_shard.routing import (ROUTERS, Router, Routing, capacity, drop_over_capacity,
+                               expert_choice_routing, top_k_routing)
 from moe_shard.sharding import DATA, EXPERT
 
 __all__ = [
