@@ -365,6 +365,8 @@ def test_scan_over_stacked_layers(mesh):
 
 
 def test_bf16_compute_dtype():
+  # Output dtypes, and bfloat16 against the float32 run of the same code; the float64 layer
+  # model checks bfloat16 outputs and gradients (tests/test_layer_oracle.py).
   cfg = config(impl="masked_scan")
   params = ms.init_moe_params(jax.random.key(9), cfg)
   x_BSD = tokens(9, dtype=jnp.bfloat16)

@@ -36,7 +36,7 @@ SHARED_F = 8
 
 # Tolerances: `TOL` of the dtype of x and the expert weights, for y and every gradient.
 # bfloat16 (TOL 3e-2): the layer rounds y, the shared experts' matmuls and the gradients
-# to bfloat16 on top of one dispatch's roundings; measured <= 6e-3 (of the largest entry)
+# to bfloat16 on top of one dispatch's roundings; measured <= 7e-3 (of the largest entry)
 # on every quantity here, so TOL[bfloat16] holds with 5x margin and still catches a
 # missing or misrouted term, O(0.1) or more of the largest entry. The aux losses are
 # always checked at float32 tolerance: the router runs in float32 whatever the dtype.
@@ -84,6 +84,10 @@ CASES = {
              normalize_top_k=False, num_shared_experts=0, chunk_size=1),
         ((2, 2), ED, EXPLICIT), "float32"),
     # bfloat16 tokens and expert weights.
+    # float32 tokens and weights, bfloat16 matmuls (compute_dtype): bfloat16 tolerance.
+    "bf16_compute-all_gather-tiled-2x2-data_expert-auto": (
+        dict(impl="all_gather", gmm_impl="tiled", compute_dtype="bfloat16"),
+        ((2, 2), DE, AUTO), "float32"),
     "bf16-ragged_dot-tiled": (dict(impl="ragged_dot", gmm_impl="tiled",
                                    param_dtype="bfloat16"), None, "bfloat16"),
     "bf16-all_to_all-ragged_dot-2x4-data_expert-explicit": (
@@ -211,8 +215,8 @@ def test_layer_matches_float64_model(name):
   if mesh is not None:
     params, x_in = _place(params, x_in, cfg, mesh)
   y, aux, (dparams, dx) = run_and_grad(params, x_in, jnp.asarray(ct), cfg, mesh)
-  tol_dtype = jnp.dtype(dtype)
-  assert y.dtype == tol_dtype and y.shape == (B, S, D)
+  assert y.dtype == jnp.dtype(dtype) and y.shape == (B, S, D)
+  tol_dtype = jnp.dtype(cfg.compute_dtype or dtype)
 
   # Every quantity is checked; the failure lists all that are wrong (e.g. "d.router_DE").
   wrong = []
