@@ -330,6 +330,30 @@ def test_auto_axis_mesh():
   assert_close(got, want, jnp.float32)
 
 
+# Found by tests/test_layer_oracle.py (issue 18). Trace only (jax.eval_shape): both fail
+# while tracing, before any compile. strict: once fixed, these fail until unmarked.
+@pytest.mark.xfail(strict=True, reason="ShardingTypeError: on an Explicit mesh the router "
+                   "gradient contracts the token axis of x (split) with that of the logits' "
+                   "cotangent when params are not on the mesh")
+def test_grad_with_params_not_on_the_explicit_mesh(mesh):
+  cfg = config(impl="all_to_all", num_shared_experts=0)
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ms.moe_param_shapes(cfg))
+  jax.eval_shape(jax.grad(lambda p, x: jnp.sum(ms.moe_layer(p, x, cfg, mesh)[0])),
+                 params, tokens(0))
+
+
+@pytest.mark.xfail(strict=True, reason="ShardingTypeError: the layer splits the B*S tokens of "
+                   "an unplaced x over all 8 devices of a (data 2, expert 4) mesh, and the "
+                   "final reshape to [B=4, S=4, D] cannot express that split")
+def test_x_not_on_the_explicit_mesh_with_fewer_batch_rows_than_devices():
+  mesh = jax.make_mesh((2, 4), (ms.DATA, ms.EXPERT))  # Explicit
+  cfg = config(impl="all_to_all")
+  params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=NamedSharding(mesh, spec)), ms.moe_param_shapes(cfg),
+      ms.moe_param_specs(cfg))
+  jax.eval_shape(lambda p, x: ms.moe_layer(p, x, cfg, mesh), params, tokens(0, (4, 4, D)))
+
+
 def test_scan_over_stacked_layers(mesh):
   L = 2
   cfg = config(impl="all_to_all")
