@@ -14,7 +14,8 @@ implementation agrees with every other.
 
 Cases cover each implementation with both grouped matmuls, on one device and on 2x2 and
 2x4 meshes with the expert axis first and second, Auto and Explicit axis types, capacity
-drops with K = 2, Linear experts with unnormalised weights, and bfloat16.
+drops with K = 2, Linear experts with unnormalised weights, bfloat16 tokens and weights,
+and bfloat16 matmuls on float32 inputs (compute_dtype).
 """
 
 import functools
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import layer_oracle
 import moe_shard as ms
-from cases import FAST_COMPILE, TOL, assert_close, assert_tree_close
+from cases import FAST_COMPILE, TOL, assert_close
 
 B, S, D, F, E, K = 8, 2, 8, 16, 8, 2  # T = 16 tokens: 2 per device on 8 devices
 SHARED_F = 8
@@ -41,6 +42,7 @@ SHARED_F = 8
 # missing or misrouted term, O(0.1) or more of the largest entry. The aux losses are
 # always checked at float32 tolerance: the router runs in float32 whatever the dtype.
 
+
 def _mesh(shape, names, kind):
   return jax.make_mesh(shape, names, axis_types=(kind,) * 2,
                        devices=jax.devices()[:math.prod(shape)])
@@ -48,7 +50,8 @@ def _mesh(shape, names, kind):
 
 EXPLICIT, AUTO = AxisType.Explicit, AxisType.Auto
 DE, ED = ("data", "expert"), ("expert", "data")
-# name: (MoEConfig overrides, mesh (shape, axis names, axis type) or None, dtype)
+# name: (MoEConfig overrides, mesh (shape, axis names, axis type) or None, dtype of x and
+# of the expert weights)
 CASES = {
     # One device: the local implementations.
     "masked_scan": (dict(impl="masked_scan"), None, "float32"),
@@ -83,11 +86,11 @@ CASES = {
         dict(impl="all_to_all", gmm_impl="tiled", expert_type="linear", d_ff=D,
              normalize_top_k=False, num_shared_experts=0, chunk_size=1),
         ((2, 2), ED, EXPLICIT), "float32"),
-    # bfloat16 tokens and expert weights.
     # float32 tokens and weights, bfloat16 matmuls (compute_dtype): bfloat16 tolerance.
     "bf16_compute-all_gather-tiled-2x2-data_expert-auto": (
         dict(impl="all_gather", gmm_impl="tiled", compute_dtype="bfloat16"),
         ((2, 2), DE, AUTO), "float32"),
+    # bfloat16 tokens and expert weights.
     "bf16-ragged_dot-tiled": (dict(impl="ragged_dot", gmm_impl="tiled",
                                    param_dtype="bfloat16"), None, "bfloat16"),
     "bf16-all_to_all-ragged_dot-2x4-data_expert-explicit": (
@@ -196,9 +199,9 @@ def expected_rounds(experts_TK, cfg, mesh):
   busiest = max(int(np.sum((ids_SI[s] >= 0) & (ids_SI[s] // (E // N) == n)))
                 for s in range(n_dev) for n in range(N))
   chunk = cfg.chunk_size
-  if chunk is None:
+  if chunk is None:  # the mean queue T_dev * K / N rounded up to 8s; a quarter of it
     first = max(8, 8 * math.ceil(math.ceil(ids_SI.shape[1] / N) / 8))
-    first, overflow = first, max(8, 8 * math.ceil(first / 4 / 8))
+    overflow = max(8, 8 * math.ceil(first / 4 / 8))
   else:
     first, overflow = (chunk, chunk) if isinstance(chunk, int) else chunk
   return 1 + math.ceil(max(0, busiest - first) / overflow)
