@@ -170,6 +170,12 @@ def main(argv):
     for n in names:
       print(f"{n}: {FAULTS[n].what}\n   pytest {' '.join(FAULTS[n].tests)}")
     return 0
+  for n in names:  # every snippet must still be in the sources before anything runs
+    for path, old, _ in FAULTS[n].edits:
+      count = (REPO / path).read_text().count(old)
+      if count != 1:
+        raise FaultError(f"fault {n}: {path}: expected the snippet exactly once, found it "
+                         f"{count} times:\n    {old!r}")
   verdicts = {}
   for n in names:
     print(f"{n}: {FAULTS[n].what}\n   pytest {' '.join(FAULTS[n].tests)}", flush=True)
