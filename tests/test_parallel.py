@@ -484,11 +484,12 @@ def test_other_mesh_layouts(name, mesh_kind):
 @pytest.mark.parametrize("name", IMPLS)
 def test_weights_none_gradients(name):
   # weights=None (all ones) on a mesh: gradients of x and every leaf of w, no dweights.
+  # (lax.ragged_dot compiles ~3x faster than the tiled kernel, which the cases above run.)
   m = mesh("2x4-auto")
   ref = reference("duplicate", key(SHAPE), ffn="swiglu", num_devices=m.shape[ms.EXPERT])
   x_TD, w, experts_TK, _ = ref.case
-  y, (dx, dw, dweights) = outputs_and_grads(impl(name, m, stats=False), x_TD, w, experts_TK,
-                                            None, ref.ct)
+  fn = impl(name, m, stats=False, gmm_impl="ragged_dot")
+  y, (dx, dw, dweights) = outputs_and_grads(fn, x_TD, w, experts_TK, None, ref.ct)
   assert dweights is None
   want_dx, want_dw, _ = oracle.moe_grads(x_TD, w, experts_TK, None, ref.ct)
   assert_close(y, oracle.moe(x_TD, w, experts_TK), jnp.float32, f"{name} y")
