@@ -45,7 +45,8 @@ from moe_shard.dispatch import choose_impl, get_dispatch
 from moe_shard.experts import Linear, SwiGLU
 from moe_shard.balance import expert_load, router_z_loss
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
-from moe_shard.sharding import (auto, check_mesh, flatten_tokens, like, place, token_spec,
+from moe_shard.sharding import (auto, check_mesh, explicit_mesh, flatten_tokens, like, place,
+                                token_spec,
                                 unflatten_tokens)
 
 # --------------------------------------------------------------------------- parameters
@@ -368,6 +369,10 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
   router = get_router(cfg.router)
 
   x_TD = flatten_tokens(x_BSD, mesh)  # on an Explicit mesh: split over it (if T divides)
+  if mesh is not None and explicit_mesh(x_TD)[1] and not explicit_mesh(params.router_DE)[1]:
+    # Parameters not on the Explicit mesh yet: placed as `moe_param_specs` says (a router
+    # gradient would otherwise contract the split token axis with an unplaced array).
+    params = jax.tree.map(lambda a, spec: place(a, mesh, spec), params, moe_param_specs(cfg))
   T = x_TD.shape[0]
   num_routing_groups(cfg, T, mesh)  # raises on groups that do not divide T
   with jax.named_scope("route"):

@@ -1,8 +1,9 @@
 """One process of the multi-process test: `python tests/mp_worker.py --process-id I ...`.
 
 Every process builds the same seeded NumPy case, supplies only the shards on its own devices
-(`jax.make_array_from_callback`), runs `moe_layer` (all_to_all) forward and backward under
-`jax.jit` on meshes over the devices of every process, and gathers the results to host;
+(`jax.make_array_from_callback`), runs `moe_layer` forward and backward under `jax.jit` in
+each of `CONFIGS` (all_to_all and all_gather, Auto and Explicit meshes, capacity mode) on
+meshes over the devices of every process, and gathers the results to host;
 process 0 writes them to an .npz. `tests/test_multiprocess.py` runs the same `run` in one
 process and compares.
 
@@ -21,6 +22,7 @@ if __name__ == "__main__":  # before JAX is imported: 4 CPU devices per process
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 
 import jax  # noqa: E402
@@ -38,12 +40,22 @@ from moe_shard import sharding  # noqa: E402
 CFG = ms.MoEConfig(d_model=16, d_ff=32, num_experts=8, top_k=2, impl="all_to_all",
                    gmm_impl="ragged_dot", num_shared_experts=1)
 B, S = 8, 8  # T = 64 tokens
-MESHES = ((4, 2),)  # (expert, data): processes split the expert axis, each holds 2 rows
+# The configurations every worker runs, in one process each: name -> (config, mesh shape
+# (expert, data), axis type). The expert axis crosses the processes in each. In capacity
+# mode the drops follow the global token order, so process 1's tokens (the later ones)
+# lose their items to process 0's: C = ceil(0.5 * 64 * 2 / 8) = 8 items per expert.
+CONFIGS = {
+    "all_to_all-auto-4x2": (CFG, (4, 2), AxisType.Auto),
+    "all_gather-explicit-4x2": (dataclasses.replace(CFG, impl="all_gather"), (4, 2),
+                                AxisType.Explicit),
+    "all_to_all-capacity-explicit-2x4": (dataclasses.replace(CFG, capacity_factor=0.5),
+                                         (2, 4), AxisType.Explicit),
+}
 
 
-def make_mesh(shape):
-  """An Auto ("expert", "data") mesh over every device of every process."""
-  return jax.make_mesh(shape, ("expert", "data"), axis_types=(AxisType.Auto,) * 2,
+def make_mesh(shape, axis_type=AxisType.Auto):
+  """An ("expert", "data") mesh over every device of every process."""
+  return jax.make_mesh(shape, ("expert", "data"), axis_types=(axis_type,) * 2,
                        devices=jax.devices())
 
 
@@ -63,12 +75,12 @@ def shard(a, mesh, spec):
   return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda idx: a[idx])
 
 
-@functools.partial(jax.jit, static_argnames="mesh", compiler_options=FAST_COMPILE)
-def step(params, x_BSD, ct_BSD, *, mesh):
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"), compiler_options=FAST_COMPILE)
+def step(params, x_BSD, ct_BSD, *, cfg, mesh):
   """Forward and backward of `sum(y * ct) + aux_loss`: dict(y, aux, dparams, dx)."""
 
   def loss(params, x_BSD):
-    y_BSD, aux = ms.moe_layer(params, x_BSD, CFG, mesh=mesh)
+    y_BSD, aux = ms.moe_layer(params, x_BSD, cfg, mesh=mesh)
     return jnp.sum(y_BSD * ct_BSD) + aux["aux_loss"], (y_BSD, aux)
 
   (dparams, dx_BSD), (y_BSD, aux) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
@@ -76,18 +88,20 @@ def step(params, x_BSD, ct_BSD, *, mesh):
   return dict(y=y_BSD, aux=aux, dparams=dparams, dx=dx_BSD)
 
 
-def run(mesh, seed=0):
-  """Places the case on `mesh` and dispatches `step` (asynchronously): {name: jax.Array}.
+def run(name, seed=0):
+  """Places the case on config `name`'s mesh and dispatches `step` (asynchronously).
 
-  Also `place`: `sharding.place` of the NumPy tokens, which must come back unchanged.
+  Returns {f"{name}/{leaf path}": jax.Array}, with `place`: `sharding.place` of the NumPy
+  tokens, which must come back unchanged.
   """
+  cfg, shape, axis_type = CONFIGS[name]
+  mesh = make_mesh(shape, axis_type)
   params, x_BSD, ct_BSD = case(seed)
   tok = P(tuple(mesh.axis_names))
-  params = jax.tree.map(lambda a, s: shard(a, mesh, s), params, ms.moe_param_specs(CFG))
-  out = step(params, shard(x_BSD, mesh, tok), shard(ct_BSD, mesh, tok), mesh=mesh)
+  params = jax.tree.map(lambda a, s: shard(a, mesh, s), params, ms.moe_param_specs(cfg))
+  out = step(params, shard(x_BSD, mesh, tok), shard(ct_BSD, mesh, tok), cfg=cfg, mesh=mesh)
   out["place"] = sharding.place(x_BSD, mesh, tok)
-  tag = "x".join(map(str, mesh.devices.shape))
-  return {f"{tag}/{jax.tree_util.keystr(p, simple=True, separator='/')}": a
+  return {f"{name}/{jax.tree_util.keystr(p, simple=True, separator='/')}": a
           for p, a in jax.tree_util.tree_leaves_with_path(out)}
 
 
@@ -108,11 +122,11 @@ def main():
   if dies and args.die == "after_init":
     os._exit(1)
   results = {}
-  for shape in MESHES:
-    mesh = make_mesh(shape)
+  for name, (_, shape, axis_type) in CONFIGS.items():
+    mesh = make_mesh(shape, axis_type)
     assert len({d.process_index for d in mesh.devices[:, 0]}) == jax.process_count(), \
         f"the expert axis should cross processes: {mesh.devices}"
-    out = run(mesh)
+    out = run(name)
     if dies:  # "during": the step is dispatched, its collectives under way
       os._exit(1)
     # Every process takes part in gathering the global arrays; each gets them whole.

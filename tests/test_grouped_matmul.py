@@ -110,16 +110,35 @@ def test_bfloat16_matches_ragged_dot():
   check_against_ragged_dot(*SHAPES["M45_G6"], [10, 0, 20, 3, 0, 9], dtype=jnp.bfloat16)
 
 
+@st.composite
+def group_sizes(draw, M, G):
+  """G group sizes with sum <= M: the gaps between 0 and G sorted cut points in [0, M].
+
+  Every split of up to M rows into G groups can be drawn, and random draws split the rows
+  over several non-empty groups (rejection sampling of independent sizes would keep
+  almost only single-group draws). Repeated cuts give empty groups; the last cut is the
+  number of routed rows (rows past it must come out zero).
+  """
+  cuts = sorted(draw(st.lists(st.integers(0, M), min_size=G, max_size=G)))
+  return [b - a for a, b in zip([0] + cuts, cuts)]
+
+
+# Every tile setting of TILES on the 6-group shape, and the default on the one-group shape:
+# each is its own test, so every setting is reached whatever hypothesis draws.
+PROPERTY_CASES = [("M45_G6", t) for t in TILES] + [("M29_G1", TILES[0])]
+
+
+@pytest.mark.parametrize("shape,tiles", PROPERTY_CASES,
+                         ids=[f"{s}-tiles{t[0]}_{t[1]}" for s, t in PROPERTY_CASES])
 @hypothesis.given(data=st.data(), seed=st.integers(0, 2**16))
-def test_random_group_sizes_match_ragged_dot(data, seed):
-  # Shapes and tiles are drawn from the compiled ones above; sizes are drawn freely,
-  # including zeros and sums below M.
-  shape, tiles = data.draw(st.sampled_from([("M45_G6", TILES[0]), ("M45_G6", TILES[1]),
-                                            ("M45_G6", TILES[2]), ("M29_G1", TILES[0])]))
+def test_random_group_sizes_match_ragged_dot(shape, tiles, data, seed):
   M, D, F = SHAPES[shape]
   G = int(shape.split("_G")[1])
-  sizes = data.draw(st.lists(st.integers(0, M), min_size=G, max_size=G)
-                    .filter(lambda s: sum(s) <= M))
+  sizes = data.draw(group_sizes(M, G), label="group_sizes")
+  # What was drawn, for `pytest --hypothesis-show-statistics`.
+  hypothesis.event(f"non-empty groups: {sum(s > 0 for s in sizes)} of {G}")
+  hypothesis.event("rows routed: " + ("all" if sum(sizes) == M else
+                                      "none" if sum(sizes) == 0 else "some, not all"))
   check_against_ragged_dot(M, D, F, sizes, max_tile=tiles[0], min_tile=tiles[1], seed=seed)
 
 

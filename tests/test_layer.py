@@ -330,6 +330,28 @@ def test_auto_axis_mesh():
   assert_close(got, want, jnp.float32)
 
 
+# Found by tests/test_layer_oracle.py (issue 18). Trace only (jax.eval_shape): both fail
+# while tracing, before any compile. strict: once fixed, these fail until unmarked.
+def test_grad_with_params_not_on_the_explicit_mesh(mesh):
+  # The layer places params that are not on an Explicit mesh (as moe_param_specs says):
+  # the router gradient then contracts the split token axis with a placed array.
+  cfg = config(impl="all_to_all", num_shared_experts=0)
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ms.moe_param_shapes(cfg))
+  jax.eval_shape(jax.grad(lambda p, x: jnp.sum(ms.moe_layer(p, x, cfg, mesh)[0])),
+                 params, tokens(0))
+
+
+def test_x_not_on_the_explicit_mesh_with_fewer_batch_rows_than_devices():
+  # The B*S tokens of an unplaced x are split over all 8 devices; the output reshape to
+  # [B=4, S=4, D] is told its sharding (B=4 cannot carry an 8-way split).
+  mesh = jax.make_mesh((2, 4), (ms.DATA, ms.EXPERT))  # Explicit
+  cfg = config(impl="all_to_all")
+  params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(
+      s.shape, s.dtype, sharding=NamedSharding(mesh, spec)), ms.moe_param_shapes(cfg),
+      ms.moe_param_specs(cfg))
+  jax.eval_shape(lambda p, x: ms.moe_layer(p, x, cfg, mesh), params, tokens(0, (4, 4, D)))
+
+
 def test_scan_over_stacked_layers(mesh):
   L = 2
   cfg = config(impl="all_to_all")
@@ -365,6 +387,8 @@ def test_scan_over_stacked_layers(mesh):
 
 
 def test_bf16_compute_dtype():
+  # Output dtypes, and bfloat16 against the float32 run of the same code; the float64 layer
+  # model checks bfloat16 outputs and gradients (tests/test_layer_oracle.py).
   cfg = config(impl="masked_scan")
   params = ms.init_moe_params(jax.random.key(9), cfg)
   x_BSD = tokens(9, dtype=jnp.bfloat16)

@@ -2,7 +2,9 @@
 
 Each test starts two `tests/mp_worker.py` processes on localhost, joined by
 `jax.distributed` through `bench/distributed.py`. One test compares their `moe_layer`
-forward and backward with the same computation in this process (8 simulated devices); the
+forward and backward, in each of `mp_worker.CONFIGS` (all_to_all and all_gather, Auto and
+Explicit meshes, capacity mode), with the same computation in this process (8 simulated
+devices) and with the float64 layer model of `layer_oracle.py`; the
 others make one process die and check that the survivor stops, with a clear message, in
 bounded time.
 """
@@ -23,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 
+import layer_oracle
 import mp_worker
 from cases import assert_close
 
@@ -89,19 +92,31 @@ def _log(tmp_path, i, stream="err", lines=30):
       text.splitlines()[-lines:])
 
 
+def _max_error(got, want):
+  """max |got - want| relative to max(1, max |want|): the scale `assert_close`'s atol uses."""
+  want = np.asarray(want, np.float64)
+  return float(np.max(np.abs(np.asarray(got, np.float64) - want)) /
+               max(1.0, float(np.max(np.abs(want)))))
+
+
 def test_two_processes_match_one_process(tmp_path):
+  # Every config of `mp_worker.CONFIGS`, forward and backward, on 2 processes x 4 devices:
+  # equal to the same step in this process (8 devices), and the outputs and aux equal to
+  # the float64 layer model (the one-process gradients are checked against its finite
+  # differences in test_layer_oracle.py).
   with _workers(tmp_path) as procs:
     # While the workers start and compile: the same steps here, on one process's 8 devices.
     want = {}
-    for shape in mp_worker.MESHES:
-      want.update(jax.device_get(mp_worker.run(mp_worker.make_mesh(shape))))
+    for name in mp_worker.CONFIGS:
+      want.update(jax.device_get(mp_worker.run(name)))
     exits = _wait(procs, TIMEOUT_S)
   for i, (code, _) in enumerate(exits):
     assert code == 0, f"worker {i} exit code {code}\n{_log(tmp_path, i)}"
   with np.load(tmp_path / "results.npz") as f:
     got = dict(f)
   assert sorted(got) == sorted(want)
-  x_BSD = mp_worker.case()[1]
+  params, x_BSD, ct_BSD = mp_worker.case()
+  errors = {}
   for name, w in want.items():
     assert got[name].shape == w.shape, name
     if name.endswith("/place"):
@@ -109,7 +124,30 @@ def test_two_processes_match_one_process(tmp_path):
     elif np.issubdtype(w.dtype, np.integer):  # expert_load, rounds, dropped counts
       np.testing.assert_array_equal(got[name], w, err_msg=name)
     else:
+      errors[name] = _max_error(got[name], w)
       assert_close(got[name], w, np.float32, err_msg=name)
+  # The float64 model, from the same NumPy case; its top-k must be that of float32 logits.
+  assert layer_oracle.routing_margin(x_BSD.reshape(-1, x_BSD.shape[-1]), params.router_DE,
+                                     mp_worker.CFG.top_k) > 1e-4
+  for name, (cfg, _, _) in mp_worker.CONFIGS.items():
+    y, aux = layer_oracle.layer(params, x_BSD, cfg)
+    errors[f"{name}/y vs float64 model"] = _max_error(got[f"{name}/y"], y)
+    assert_close(got[f"{name}/y"], y, np.float32, err_msg=f"{name}/y vs model")
+    for key in ("aux_loss", "load_balance_loss", "z_loss"):
+      assert_close(got[f"{name}/aux/{key}"], aux[key], np.float32, err_msg=f"{name} {key}")
+    for key in ("expert_load", "dropped_items", "dropped_tokens"):
+      np.testing.assert_array_equal(got[f"{name}/aux/{key}"], aux[key], err_msg=f"{name} {key}")
+    if cfg.capacity_factor is not None:
+      # Drops on both processes' tokens, whole tokens among them: the global order counts.
+      dropped_T = np.all(aux["experts_TK"] < 0, axis=1)
+      half = len(dropped_T) // 2
+      assert aux["dropped_items"] > 0 and dropped_T[half:].any(), aux["dropped_items"]
+  for name in mp_worker.CONFIGS:  # shown with `pytest -s`
+    mine = {k: v for k, v in errors.items() if k.startswith(name + "/") and "model" not in k}
+    print(f"{name}: max error vs one process {max(mine.values()):.1e} over {len(mine)} "
+          f"arrays (y, aux losses, dx, every dparam); y vs float64 model "
+          f"{errors[f'{name}/y vs float64 model']:.1e}; dropped items "
+          f"{int(got[f'{name}/aux/dropped_items'])}, tokens {int(got[f'{name}/aux/dropped_tokens'])}")
 
 
 @pytest.mark.parametrize("die, dying", [("during", 1), ("after_init", 0)])
