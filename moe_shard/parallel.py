@@ -25,8 +25,8 @@ from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.remat import MOE_DISPATCH_RECV
 from moe_shard.routing import expert_load
-from moe_shard.sharding import (EXPERT, axis_size, expert_axes, place, resolve_mesh,
-                                token_spec, trim, vary_over)
+from moe_shard.sharding import (EXPERT, axis_size, check_mesh, expert_axes, place,
+                                resolve_mesh, token_spec, trim, vary_over)
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
 
@@ -61,7 +61,7 @@ class _Layout:
 def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
   """Checks, pads T to a multiple of the device count and places the inputs on the mesh."""
   x_TD, ffn, E, experts_TK, weights_TK = local.check_moe_inputs(fn, x_TD, w, experts, weights)
-  resolve_mesh(fn, mesh, expert_axis, E, required=True)
+  check_mesh(fn, mesh, expert_axis, E)
   T = x_TD.shape[0]
   pad = -T % mesh.size
   if pad:  # padding tokens route nowhere (id -1) and are trimmed from the output
