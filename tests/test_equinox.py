@@ -129,3 +129,18 @@ def test_no_compile_after_the_first_step(run):
   *_, compiles = run
   assert compiles[0] >= 1 and compiles[1:] == [0] * (len(compiles) - 1), compiles
 
+
+
+def test_abstract_mesh_no_mesh_and_errors():
+  mesh = make_mesh("explicit")
+  abstract = eqx.filter_eval_shape(lambda: MoE(CFG, key=jax.random.key(0),
+                                               mesh=mesh.abstract_mesh))
+  assert abstract.mesh == mesh.abstract_mesh
+  assert isinstance(abstract.params.experts.gate_EDF, jax.ShapeDtypeStruct)
+  local = MoE(CFG, key=jax.random.key(0))
+  assert local.mesh is None
+  x_BSD = jnp.ones((2, 4, D))
+  np.testing.assert_array_equal(local(x_BSD)[0], ms.moe_layer(local.params, x_BSD, CFG)[0])
+  with pytest.raises(TypeError, match=r"^moe_shard\.equinox\.MoE: mesh must be a "
+                     r"jax\.sharding\.Mesh, an AbstractMesh or None \(got str\)"):
+    MoE(CFG, key=jax.random.key(0), mesh="mesh")

@@ -3,6 +3,7 @@
 the losses equal the functional `moe_layer`'s, nothing compiles after step 1, and the
 sharded state survives an orbax round trip."""
 
+import dataclasses
 import sys
 
 import jax
@@ -164,3 +165,24 @@ def test_importing_moe_shard_does_not_import_flax():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        check=True, cwd=str(__import__("pathlib").Path(ms.__file__).parents[1]))
   assert out.stdout.split() == ["False", "False"]
+
+
+def test_abstract_mesh_no_mesh_and_errors():
+  mesh = make_mesh("explicit")
+  # nnx.eval_shape with an AbstractMesh: shapes and partition metadata, no arrays.
+  abstract = nnx.eval_shape(lambda: MoE(CFG, rngs=nnx.Rngs(0), mesh=mesh.abstract_mesh))
+  assert abstract.mesh == mesh.abstract_mesh
+  assert nnx.get_partition_spec(abstract.experts.gate_EDF).get_value() == P(
+      ms.EXPERT, None, None)
+  assert isinstance(abstract.experts.gate_EDF.get_value(), jax.ShapeDtypeStruct)
+  # No mesh given and none in scope: the local layer.
+  local = MoE(CFG, rngs=nnx.Rngs(0))
+  assert local.mesh is None
+  x_BSD = jnp.ones((2, 4, D))
+  y_BSD, _ = local(x_BSD)
+  np.testing.assert_array_equal(y_BSD, ms.moe_layer(local.moe_params(), x_BSD, CFG)[0])
+  with pytest.raises(TypeError, match=r"^moe_shard\.nnx\.MoE: cfg must be a MoEConfig"):
+    MoE(dict(d_model=D), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"^moe_shard\.nnx\.MoE: mesh must have the expert "
+                     r"axis 'ep'"):
+    MoE(dataclasses.replace(CFG, expert_axis="ep"), rngs=nnx.Rngs(0), mesh=mesh)
