@@ -14,6 +14,10 @@ Shape letters (array names carry them as a suffix, e.g. `x_TD`, `experts_TK`):
 
 Inside a `shard_map` body the letters are per-device sizes.
 
+Names for rematerialisation policies: `CHECKPOINT_NAMES` (remat.py). Framework modules, each
+behind its optional extra and not imported here: `moe_shard.nnx.MoE` (Flax NNX) and
+`moe_shard.equinox.MoE` (Equinox).
+
 Three tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py) and the
 grouped-matmul `BACKENDS` (grouped_matmul.py).
 """
@@ -28,17 +32,26 @@ from moe_shard.layer import (MoEParams, init_moe_params, moe_layer, moe_param_sh
                              moe_param_specs, num_routing_groups)
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.parallel import moe_all_gather, moe_all_to_all
+from moe_shard.remat import (CHECKPOINT_NAMES, MOE_DISPATCH_OUT, MOE_DISPATCH_RECV,
+                             MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP, MOE_ROUTER_LOGITS)
 from moe_shard.routing import (ROUTERS, Router, Routing, capacity, drop_over_capacity,
                                expert_choice_routing, top_k_routing)
-from moe_shard.sharding import DATA, EXPERT
+from moe_shard.sharding import DATA, EXPERT, mesh_in_scope
 
 __all__ = [
     "BACKENDS",
+    "CHECKPOINT_NAMES",
     "DATA",
     "DISPATCHES",
     "Dispatch",
     "EXPERT",
     "Linear",
+    "MOE_DISPATCH_OUT",
+    "MOE_DISPATCH_RECV",
+    "MOE_EXPERT_GATE",
+    "MOE_EXPERT_OUT",
+    "MOE_EXPERT_UP",
+    "MOE_ROUTER_LOGITS",
     "MoEConfig",
     "MoEParams",
     "PLATFORM_BACKENDS",
@@ -54,6 +67,7 @@ __all__ = [
     "grouped_matmul",
     "init_moe_params",
     "load_balancing_loss",
+    "mesh_in_scope",
     "moe_all_gather",
     "moe_all_to_all",
     "moe_layer",

@@ -116,6 +116,21 @@ def bool_field(fn, name, value):
   return value
 
 
+AXIS_RULE = "a mesh axis name (a non-empty str) or a non-empty tuple of distinct names"
+
+
+def expert_axis_field(fn, value):
+  """Returns the expert axis as a str, or a tuple of 2+ distinct str (a list is taken as a
+  tuple; a 1-tuple is its one name), so that equal choices hash equally."""
+  names = (value,) if isinstance(value, str) else value
+  if (not isinstance(names, (tuple, list)) or not names
+      or not all(isinstance(n, str) and n for n in names)):
+    raise _error(TypeError, fn, "expert_axis", AXIS_RULE, value)
+  if len(set(names)) != len(names):
+    raise _error(ValueError, fn, "expert_axis", AXIS_RULE, value)
+  return names[0] if len(names) == 1 else tuple(names)
+
+
 CHUNK_RULE = "None, an int >= 1 or a pair of ints >= 1"
 
 

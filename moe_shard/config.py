@@ -102,7 +102,9 @@ class MoEConfig:
       is always float32.
     compute_dtype: dtype the tokens and expert weights are cast to for the expert matmuls,
       which accumulate in float32 (default None: the dtype of x).
-    expert_axis: mesh axis the experts are split over (default "expert").
+    expert_axis: mesh axis the experts are split over (default "expert"), or a tuple of
+      axes, e.g. ("data", "expert"): the experts are then split over the product of their
+      sizes, in the order given (a list is stored as a tuple, a 1-tuple as its name).
   """
 
   d_model: int
@@ -128,7 +130,7 @@ class MoEConfig:
   z_loss_coef: float = 1e-3
   param_dtype: jnp.dtype = jnp.dtype(jnp.float32)
   compute_dtype: jnp.dtype | None = None
-  expert_axis: str = EXPERT
+  expert_axis: str | tuple[str, ...] = EXPERT
 
   def __post_init__(self):
     fn = "MoEConfig"
@@ -163,8 +165,7 @@ class MoEConfig:
     put("param_dtype", _checks.dtype_field(fn, "param_dtype", self.param_dtype))
     if self.compute_dtype is not None:
       put("compute_dtype", _checks.dtype_field(fn, "compute_dtype", self.compute_dtype))
-    if not isinstance(self.expert_axis, str) or not self.expert_axis:
-      raise TypeError(f"{fn}: expert_axis must be a non-empty str (got {self.expert_axis!r})")
+    put("expert_axis", _checks.expert_axis_field(fn, self.expert_axis))
 
   def _check_router_fields(self, fn, put):
     """Checks the fields of the top_k router and of balancing, and what expert choice uses."""

@@ -22,7 +22,7 @@ import functools
 from typing import Callable
 
 from moe_shard import local, parallel
-from moe_shard.sharding import auto
+from moe_shard.sharding import auto, axis_size
 
 
 def masked_scan(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
@@ -88,7 +88,7 @@ def choose_impl(cfg, mesh=None):
   """
   if cfg.impl != "auto":
     return cfg.impl
-  if mesh is not None and mesh.shape.get(cfg.expert_axis, 1) > 1:
+  if mesh is not None and axis_size(mesh, cfg.expert_axis) > 1:
     return "all_to_all"
   return "ragged_dot"
 

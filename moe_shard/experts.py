@@ -18,8 +18,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moe_shard import _checks
+from moe_shard.remat import MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP
 
 
 @jax.tree_util.register_dataclass
@@ -42,8 +44,8 @@ class Linear:
     return self.w_EDF.shape[-1]
 
   def __call__(self, x_MD, matmul):
-    """Applies the expert to tokens; returns f32[M, F]."""
-    return matmul(x_MD, self.w_EDF)
+    """Applies the expert to tokens; returns f32[M, F] (named `MOE_EXPERT_OUT`)."""
+    return checkpoint_name(matmul(x_MD, self.w_EDF), MOE_EXPERT_OUT)
 
 
 @jax.tree_util.register_dataclass
@@ -77,9 +79,15 @@ class SwiGLU:
                        f"down_EFD of shape [E, F, D] (got gate {g}, up {u}, down {d})")
 
   def __call__(self, x_MD, matmul):
-    """Applies the expert to tokens; returns f32[M, D]."""
-    h_MF = jax.nn.silu(matmul(x_MD, self.gate_EDF)) * matmul(x_MD, self.up_EDF)
-    return matmul(h_MF.astype(x_MD.dtype), self.down_EFD)
+    """Applies the expert to tokens; returns f32[M, D].
+
+    The two input matmuls are named `MOE_EXPERT_GATE` and `MOE_EXPERT_UP`, the output
+    `MOE_EXPERT_OUT` (`remat.py`).
+    """
+    g_MF = checkpoint_name(matmul(x_MD, self.gate_EDF), MOE_EXPERT_GATE)
+    u_MF = checkpoint_name(matmul(x_MD, self.up_EDF), MOE_EXPERT_UP)
+    h_MF = jax.nn.silu(g_MF) * u_MF
+    return checkpoint_name(matmul(h_MF.astype(x_MD.dtype), self.down_EFD), MOE_EXPERT_OUT)
 
 
 def as_ffn(fn, w):

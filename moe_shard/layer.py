@@ -36,6 +36,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,10 +45,10 @@ from moe_shard.config import check_config
 from moe_shard.dispatch import choose_impl, get_dispatch
 from moe_shard.experts import Linear, SwiGLU
 from moe_shard.balance import expert_load, router_z_loss
+from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
-from moe_shard.sharding import (auto, check_mesh, explicit_mesh, flatten_tokens, like, place,
-                                token_spec,
-                                unflatten_tokens)
+from moe_shard.sharding import (auto, explicit_mesh, flatten_tokens, is_concrete, like, place,
+                                resolve_mesh, token_spec, tracing, unflatten_tokens)
 
 # --------------------------------------------------------------------------- parameters
 
@@ -107,8 +108,10 @@ def moe_param_specs(cfg):
   """Returns the `PartitionSpec` of every parameter, as a `MoEParams`.
 
   Expert weights are split over `cfg.expert_axis` on their first (expert) axis; the router,
-  the shared experts and the router bias (`P(None)`) are replicated. For a stack of layers
-  (a leading layer axis), prepend None: `jax.tree.map(lambda s: P(None, *s), specs)`.
+  the shared experts and the router bias are replicated. Each spec has one entry per array
+  dimension (`P("expert", None, None)`, `P(None, None)`, `P(None)`), as Flax's partition
+  metadata needs. For a stack of layers (a leading layer axis), prepend None:
+  `jax.tree.map(lambda s: P(None, *s), specs)`.
 
   Args:
     cfg: `MoEConfig`.
@@ -118,10 +121,14 @@ def moe_param_specs(cfg):
   """
   check_config("moe_param_specs", cfg)
   shapes = moe_param_shapes(cfg)
+
+  def spec(s, first=None):
+    return P(first, *[None] * (len(s.shape) - 1))
+
   return MoEParams(
-      router_DE=P(),
-      experts=jax.tree.map(lambda _: P(cfg.expert_axis), shapes.experts),
-      shared=jax.tree.map(lambda _: P(), shapes.shared),
+      router_DE=spec(shapes.router_DE),
+      experts=jax.tree.map(lambda s: spec(s, cfg.expert_axis), shapes.experts),
+      shared=jax.tree.map(spec, shapes.shared),
       router_bias=P(None) if cfg.bias_balancing else None)
 
 
@@ -136,21 +143,27 @@ def init_moe_params(key, cfg, mesh=None):
   Args:
     key: a `jax.random` key.
     cfg: `MoEConfig`.
-    mesh: None (default; arrays on the default device) or a `jax.sharding.Mesh` with
-      `cfg.expert_axis`, whose size must divide `cfg.num_experts`.
+    mesh: a `jax.sharding.Mesh` with `cfg.expert_axis`, whose size must divide
+      `cfg.num_experts`; an `AbstractMesh` under `jax.eval_shape` (shapes and shardings,
+      no arrays). None (default): the mesh in scope (`jax.set_mesh(mesh)`) when it has
+      the expert axis, else arrays on the default device.
 
   Returns:
     `MoEParams`: router_DE f32[D, E]; experts and shared in `cfg.param_dtype`; router_bias
     f32[E] zeros with `bias_balancing`, else None.
 
   Raises:
-    TypeError: cfg is not a `MoEConfig`, or mesh not a `Mesh`.
-    ValueError: the mesh lacks the expert axis, or its size does not divide E.
+    TypeError: cfg is not a `MoEConfig`, or mesh not a mesh.
+    ValueError: the mesh lacks the expert axis, or its size does not divide E, or an
+      `AbstractMesh` outside a trace (no devices to create arrays on).
   """
   fn = "init_moe_params"
   check_config(fn, cfg)
-  if mesh is not None:
-    check_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, optional=True)
+  mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+  if mesh is not None and not is_concrete(mesh) and not tracing():
+    raise ValueError(f"{fn}: mesh must be a concrete jax.sharding.Mesh to create arrays "
+                     f"(got an AbstractMesh outside jax.eval_shape or jax.jit): pass the "
+                     f"Mesh, or call under `with jax.set_mesh(mesh):`")
   # Only the fields that shape the parameters, so that configs differing in others (e.g.
   # impl) share one compiled init.
   shape_cfg = type(cfg)(
@@ -320,10 +333,12 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
     params: `MoEParams` from `init_moe_params(key, cfg)`.
     x_BSD: f[B, S, D] tokens, D = cfg.d_model; on the mesh or not.
     cfg: `MoEConfig`.
-    mesh: None (default) or a `jax.sharding.Mesh` with `cfg.expert_axis`, whose size must
-      divide E. Required by the expert-parallel implementations; "auto" picks "all_to_all"
-      when the expert axis has more than one device. The local implementations
-      ("masked_scan", "ragged_dot") do not split experts: XLA shards them as it likes.
+    mesh: a `jax.sharding.Mesh` (or, under `jax.jit` or `jax.eval_shape`, an
+      `AbstractMesh`) with `cfg.expert_axis`, whose size must divide E. None (default): the
+      mesh in scope (`jax.set_mesh(mesh)`) when it has the expert axis, else no mesh.
+      Required by the expert-parallel implementations; "auto" picks "all_to_all" when the
+      expert axis has more than one device. The local implementations ("masked_scan",
+      "ragged_dot") do not split experts: XLA shards them as it likes.
 
   Returns:
     (y_BSD, aux). y_BSD has the shape, dtype and sharding of x_BSD. aux is a dict:
@@ -357,13 +372,13 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
     raise ValueError(f"{fn}: x_BSD must have shape [B, S, d_model={cfg.d_model}] "
                      f"(got shape {tuple(x_BSD.shape)})")
   _check_params(fn, params, cfg)
-  if mesh is not None:
-    check_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, optional=True)
+  mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
   impl = choose_impl(cfg, mesh)
   dispatch = get_dispatch(impl)
   if mesh is None and dispatch.needs_mesh:
     raise ValueError(f"{fn}: impl {impl!r} needs a mesh with the expert axis "
-                     f"{cfg.expert_axis!r} (got mesh=None)")
+                     f"{cfg.expert_axis!r} (got mesh=None, and no mesh in scope with that "
+                     f"axis): pass mesh= or call under `with jax.set_mesh(mesh):`")
   E = cfg.num_experts
   compute_dtype = cfg.compute_dtype or x_BSD.dtype
   router = get_router(cfg.router)
@@ -378,6 +393,7 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
   with jax.named_scope("route"):
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
                            params.router_DE.astype(jnp.float32))
+    logits_TE = checkpoint_name(logits_TE, MOE_ROUTER_LOGITS)
     bias_E = params.router_bias
     if bias_E is not None:  # selection only: it is moved by update_router_bias, not grad
       bias_E = jax.lax.stop_gradient(bias_E.astype(jnp.float32))
@@ -399,7 +415,7 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
     ffn = jax.tree.map(lambda a: a.astype(compute_dtype), params.experts)
     y_TD, stats = dispatch.fn(x_TD.astype(compute_dtype), ffn, experts_TK,
                               routing.weights_TK, mesh=mesh, cfg=cfg)
-    y_TD = like(y_TD.astype(jnp.float32), x_TD)
+    y_TD = checkpoint_name(like(y_TD.astype(jnp.float32), x_TD), MOE_DISPATCH_OUT)
   if params.shared is not None:
     with jax.named_scope("shared_experts"):
       y_TD = y_TD + shared_experts(params.shared, x_TD.astype(compute_dtype))

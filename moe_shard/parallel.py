@@ -18,13 +18,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.balance import expert_load
-from moe_shard.sharding import (EXPERT, check_mesh, place, token_spec, trim, vary_over,
-                                zeros_varying)
+from moe_shard.remat import MOE_DISPATCH_RECV
+from moe_shard.sharding import (EXPERT, axis_size, check_mesh, expert_axes, place,
+                                resolve_mesh, token_spec, trim, vary_over, zeros_varying)
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
 
@@ -33,8 +35,8 @@ OVERFLOW_SCOPE = "a2a_overflow_rounds"
 class _Layout:
   """Static facts about a call: mesh, axes and sizes."""
 
-  mesh: jax.sharding.Mesh
-  expert_axis: str
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+  expert_axis: str | tuple[str, ...]  # a tuple: experts split over the product, in order
   num_experts: int  # E
   tokens: int  # T before padding
   padded: int  # T after padding to a multiple of the device count
@@ -45,11 +47,11 @@ class _Layout:
 
   @property
   def other_axes(self):
-    return tuple(a for a in self.mesh.axis_names if a != self.expert_axis)
+    return tuple(a for a in self.mesh.axis_names if a not in expert_axes(self.expert_axis))
 
   @property
   def n(self):
-    return self.mesh.shape[self.expert_axis]
+    return axis_size(self.mesh, self.expert_axis)
 
   @property
   def token_spec(self):
@@ -79,7 +81,7 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
 # --------------------------------------------------------------------------- all_gather
 
 
-def moe_all_gather(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
+def moe_all_gather(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT,
                    gmm_impl="auto"):
   """Expert-parallel MoE: all_gather tokens, compute local experts, reduce-scatter.
 
@@ -95,17 +97,22 @@ def moe_all_gather(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
     experts: int[T] or int[T, K] expert ids; ids outside [0, E) contribute zero.
     weights: f[T, K] combine weights (the shape of `experts`), or None for ones (default).
     mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types. Inputs are
-      placed (resharded) on it as needed.
-    expert_axis: name of the mesh axis experts are split over (default "expert").
+      placed (resharded) on it as needed. An `AbstractMesh` works under `jax.jit` with
+      inputs already on the mesh, and under `jax.eval_shape`. None (default): the mesh in
+      scope (`jax.set_mesh(mesh)`); without one, ValueError.
+    expert_axis: name of the mesh axis experts are split over (default "expert"), or a
+      tuple of names: experts split over the product of their sizes, in the order given.
     gmm_impl: `grouped_matmul` implementation (default "auto").
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`, split over the mesh like the tokens.
 
   Raises:
-    TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
+    TypeError, ValueError: bad arguments, no mesh (none given and none in scope), or E not
+      divisible by the expert-axis size.
   """
-  check_mesh("moe_all_gather", mesh, expert_axis)
+  expert_axis = _checks.expert_axis_field("moe_all_gather", expert_axis)
+  mesh = resolve_mesh("moe_all_gather", mesh, expert_axis, required=True)
   return _all_gather_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
                          gmm_impl=gmm_impl)
 
@@ -132,6 +139,7 @@ def _all_gather_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, gmm_impl):
   with jax.named_scope("all_gather"):
     x_MD, experts_MK, weights_MK = (jax.lax.all_gather(a, axis, axis=0, tiled=True)
                                     for a in (x_TD, experts_TK, weights_TK))
+    x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
   with jax.named_scope("local_experts"):
     local_MK = experts_MK - jax.lax.axis_index(axis) * L  # outside [0, L): not ours, zero
     y_MF = local.ragged_combine(x_MD, ffn_L, L, local_MK, weights_MK, gmm_impl)
@@ -145,7 +153,7 @@ def _all_gather_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, gmm_impl):
 # --------------------------------------------------------------------------- all_to_all
 
 
-def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
+def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT,
                    chunk_size=None, return_stats=False, gmm_impl="auto"):
   """Expert-parallel MoE: dropless chunked all_to_all dispatch, compute, and return.
 
@@ -167,8 +175,12 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
       `expert_axis`, replicated over the other axes).
     experts: int[T] or int[T, K] expert ids; ids outside [0, E) contribute zero.
     weights: f[T, K] combine weights (the shape of `experts`), or None for ones (default).
-    mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types.
-    expert_axis: name of the mesh axis experts are split over (default "expert").
+    mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types. Inputs are
+      placed (resharded) on it as needed. An `AbstractMesh` works under `jax.jit` with
+      inputs already on the mesh, and under `jax.eval_shape`. None (default): the mesh in
+      scope (`jax.set_mesh(mesh)`); without one, ValueError.
+    expert_axis: name of the mesh axis experts are split over (default "expert"), or a
+      tuple of names: experts split over the product of their sizes, in the order given.
     chunk_size: None (default): C_first = the expected (source, destination) load
       T_dev*K/N rounded up to a multiple of 8 and C_overflow = C_first/4 rounded up to a
       multiple of 8, so padding stays near 25% under uniform routing and skew costs small
@@ -183,9 +195,11 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
     `invalid_ids` (i32[]: ids outside [0, E)), `chunk_first` and `chunk_overflow` (ints).
 
   Raises:
-    TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
+    TypeError, ValueError: bad arguments, no mesh (none given and none in scope), or E not
+      divisible by the expert-axis size.
   """
-  check_mesh("moe_all_to_all", mesh, expert_axis)
+  expert_axis = _checks.expert_axis_field("moe_all_to_all", expert_axis)
+  mesh = resolve_mesh("moe_all_to_all", mesh, expert_axis, required=True)
   chunk_size = _checks.chunk_size_field("moe_all_to_all", chunk_size)
   out = _all_to_all_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
                         chunk_size=chunk_size, return_stats=bool(return_stats),
@@ -194,7 +208,8 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
     return out
   y_TF, stats = out
   T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
-  chunks = plan_lib.default_chunks(-(-T // mesh.size), K, mesh.shape[expert_axis], chunk_size)
+  chunks = plan_lib.default_chunks(-(-T // mesh.size), K, axis_size(mesh, expert_axis),
+                                   chunk_size)
   return y_TF, dict(stats, chunk_first=chunks.first, chunk_overflow=chunks.overflow)
 
 
@@ -227,8 +242,8 @@ def _all_to_all_jit(x_TD, w, experts, weights, *, mesh, expert_axis, chunk_size,
 class _A2A:
   """Static configuration of one all_to_all dispatch (hashable: a custom_vjp nondiff arg)."""
 
-  axis: str
-  n: int  # N devices on the expert axis
+  axis: str | tuple[str, ...]
+  n: int  # N devices on the expert axis (the product of a tuple's)
   local_experts: int  # L
   chunks: plan_lib.Chunks
   gmm_impl: str
@@ -302,6 +317,7 @@ def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
 def _local_experts(cfg, x_MD, ids_M, ffn_L):
   """Runs the L local experts on received rows (id L = padding, gives zeros); [M, F] in the
   dtype of x (products accumulate in float32)."""
+  x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
   order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, cfg.local_experts)
   matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_L, impl=cfg.gmm_impl,
                              preferred_element_type=x_MD.dtype)

@@ -1,18 +1,25 @@
-"""Placing arrays on a mesh, mesh checks, and the Explicit/Auto axis helpers.
+"""Placing arrays on a mesh, mesh checks, the mesh in scope, and the Explicit/Auto helpers.
 
-Mesh axes: experts are split over `EXPERT`; tokens over every mesh axis (`EXPERT` and, when
-present, `DATA` or any other). `jax.make_mesh` defaults to `AxisType.Explicit`, under which
-JAX refuses to guess shardings for sort and scatter; `auto` runs such a stage with the
-Explicit axes switched to Auto, and `like` puts a result back on the sharding of a
-reference. Nothing here issues a collective.
+Mesh axes: experts are split over `EXPERT` (or over a tuple of axes, e.g. `(DATA, EXPERT)`:
+their product, in the order given); tokens over every mesh axis (`EXPERT` and, when present,
+`DATA` or any other). `jax.make_mesh` defaults to `AxisType.Explicit`, under which JAX
+refuses to guess shardings for sort and scatter; `auto` runs such a stage with the Explicit
+axes switched to Auto, and `like` puts a result back on the sharding of a reference.
+
+The mesh argument of every public function may be a `jax.sharding.Mesh`, an `AbstractMesh`
+(enough wherever nothing is placed on devices: under `jax.jit` with sharded inputs, under
+`jax.eval_shape`) or None, meaning the mesh in scope (`jax.set_mesh(mesh)`):
+`resolve_mesh`. Nothing here issues a collective.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks
@@ -21,27 +28,103 @@ EXPERT = "expert"
 DATA = "data"
 
 
-def check_mesh(fn, mesh, expert_axis, num_experts=None, *, optional=False):
-  """Raises unless `mesh` is a Mesh with `expert_axis` whose size divides `num_experts`.
+def expert_axes(expert_axis):
+  """The mesh axes experts are split over, as a tuple: `"expert"` -> `("expert",)`."""
+  return (expert_axis,) if isinstance(expert_axis, str) else tuple(expert_axis)
+
+
+def axis_size(mesh, expert_axis):
+  """N, the devices experts are split over: the product of the sizes of `expert_axis`
+  (a name or a tuple of names); an axis the mesh lacks counts 1."""
+  return math.prod(mesh.shape.get(a, 1) for a in expert_axes(expert_axis))
+
+
+def mesh_in_scope():
+  """The mesh of `jax.set_mesh` (or `jax.sharding.use_abstract_mesh`), or None.
+
+  The concrete `Mesh` when there is one (`jax.set_mesh`, inside or outside jit), else the
+  `AbstractMesh` in scope, else None.
+  """
+  concrete = jax._src.mesh.get_concrete_mesh()  # JAX 0.10: no public getter usable in jit
+  if concrete is not None and not concrete.empty:
+    return concrete
+  abstract = jax.sharding.get_abstract_mesh()
+  return None if abstract.empty else abstract
+
+
+def check_mesh(fn, mesh, expert_axis, num_experts=None, *, optional=False, what="mesh"):
+  """Raises unless `mesh` is a (possibly abstract) mesh with `expert_axis`, whose size
+  divides `num_experts`.
 
   Args:
     fn: name of the calling function, for error messages.
     mesh: the mesh argument.
-    expert_axis: the axis experts are split over.
+    expert_axis: the axis (or tuple of axes) experts are split over.
     num_experts: E, or None not to check divisibility.
     optional: whether None is allowed (it is then returned as is).
+    what: how the messages name the mesh (default "mesh").
   """
   if mesh is None and optional:
     return
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh{' or None' if optional else ''} "
-                    f"(got {type(mesh).__name__})")
-  if expert_axis not in mesh.axis_names:
-    raise ValueError(f"{fn}: mesh must have the expert axis {expert_axis!r} "
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    kinds = "a jax.sharding.Mesh, an AbstractMesh or None" if optional else (
+        "a jax.sharding.Mesh or an AbstractMesh")
+    raise TypeError(f"{fn}: {what} must be {kinds} (got {type(mesh).__name__})")
+  missing = [a for a in expert_axes(expert_axis) if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"{fn}: {what} must have the expert axis {expert_axis!r} "
                      f"(got axes {tuple(mesh.axis_names)})")
   if num_experts is not None:
-    _checks.divisible(fn, "num_experts", num_experts, f"the '{expert_axis}' axis size",
-                      mesh.shape[expert_axis])
+    _checks.divisible(fn, "num_experts", num_experts, f"the {expert_axis!r} axis size",
+                      axis_size(mesh, expert_axis))
+
+
+def resolve_mesh(fn, mesh, expert_axis, num_experts=None, *, required):
+  """The mesh a call runs on: `mesh`, or for None the mesh in scope; checked.
+
+  Args:
+    fn: name of the calling function, for error messages.
+    mesh: a `Mesh`, an `AbstractMesh` (replaced by the concrete mesh in scope when that is
+      its concrete form) or None.
+    expert_axis: the axis (or tuple of axes) experts are split over.
+    num_experts: E, or None not to check divisibility.
+    required: whether the call needs a mesh. When True, no mesh at all, or a mesh in scope
+      without the expert axis, raises. When False, a mesh in scope without the expert axis
+      is not used (None is returned): the call runs without expert parallelism.
+
+  Returns:
+    A `Mesh`, an `AbstractMesh`, or None (only when not `required`).
+
+  Raises:
+    TypeError, ValueError: as `check_mesh`, or no mesh where one is required.
+  """
+  if mesh is not None:
+    scope = mesh_in_scope()
+    if (isinstance(mesh, AbstractMesh) and isinstance(scope, Mesh)
+        and scope.abstract_mesh == mesh):
+      mesh = scope
+    check_mesh(fn, mesh, expert_axis, num_experts, optional=True)
+    return mesh
+  scope = mesh_in_scope()
+  if scope is None:
+    if required:
+      raise ValueError(f"{fn}: mesh must be given, or a mesh be in scope "
+                       f"(`with jax.set_mesh(mesh):`) (got mesh=None and no mesh in scope)")
+    return None
+  if not required and any(a not in scope.axis_names for a in expert_axes(expert_axis)):
+    return None
+  check_mesh(fn, scope, expert_axis, num_experts, what="the mesh in scope (jax.set_mesh)")
+  return scope
+
+
+def tracing():
+  """Whether JAX is tracing (under jit, eval_shape, grad...): JAX 0.10 has no public test."""
+  return not jax._src.core.trace_state_clean()
+
+
+def is_concrete(mesh):
+  """Whether `mesh` has devices (a `Mesh`), as opposed to an `AbstractMesh`."""
+  return isinstance(mesh, Mesh)
 
 
 def token_spec(mesh):
@@ -53,10 +136,11 @@ def place(a, mesh, spec):
   """Puts `a` on the mesh with `spec`, inside or outside jit, for Auto or Explicit axes.
 
   On a mesh spanning processes, data this process holds whole (NumPy, or a jax.Array on its
-  own devices) is taken to be the same global array in every process.
+  own devices) is taken to be the same global array in every process. An `AbstractMesh`
+  places traced arrays (under jit) only.
   """
   sharding = NamedSharding(mesh, spec)
-  if not isinstance(a, jax.core.Tracer):
+  if not isinstance(a, jax.core.Tracer) and is_concrete(mesh):
     if not sharding.is_fully_addressable and getattr(a, "is_fully_addressable", True):
       # Each process copies only its own shards; device_put would first all-gather the
       # whole array from every process to check that they agree.
@@ -65,6 +149,8 @@ def place(a, mesh, spec):
       return jax.make_array_from_callback(host.shape, sharding,
                                           lambda idx: host[idx].astype(dtype), dtype=dtype)
     return jax.device_put(a, sharding)
+  # Traced, or an AbstractMesh (no devices to put on: the array's own are used).
+  a = jnp.asarray(a)
   if all(t == AxisType.Explicit for t in mesh.axis_types):
     return jax.sharding.reshard(a, sharding)
   return jax.lax.with_sharding_constraint(a, sharding)

@@ -122,7 +122,8 @@ BAD_CONFIGS = [
      "MoEConfig: param_dtype must be a floating-point dtype (got <class "),
     (dict(compute_dtype="float33"), TypeError,
      "MoEConfig: compute_dtype must be a dtype (got 'float33')"),
-    (dict(expert_axis=""), TypeError, "MoEConfig: expert_axis must be a non-empty str (got '')"),
+    (dict(expert_axis=""), TypeError, "MoEConfig: expert_axis must be a mesh axis name (a "
+     "non-empty str) or a non-empty tuple of distinct names (got '')"),
 ]
 
 
@@ -170,11 +171,14 @@ def test_param_shapes_and_specs():
                                      jax.ShapeDtypeStruct((E, D, F), jnp.float32),
                                      jax.ShapeDtypeStruct((E, F, D), jnp.float32))
   assert shapes.shared.gate_EDF.shape == (2, D, 5) and shapes.shared.down_EFD.shape == (2, 5, D)
+  # One entry per array dimension (Flax's partition metadata needs them).
+  split, whole = P("expert", None, None), P(None, None, None)
   assert ms.moe_param_specs(cfg) == ms.MoEParams(
-      router_DE=P(), experts=ms.SwiGLU(P("expert"), P("expert"), P("expert")),
-      shared=ms.SwiGLU(P(), P(), P()))
+      router_DE=P(None, None), experts=ms.SwiGLU(split, split, split),
+      shared=ms.SwiGLU(whole, whole, whole))
   lin = config(expert_type="linear", d_ff=D, expert_axis="ep", num_shared_experts=0)
-  assert ms.moe_param_specs(lin) == ms.MoEParams(P(), ms.Linear(P("ep")), None)
+  assert ms.moe_param_specs(lin) == ms.MoEParams(P(None, None), ms.Linear(P("ep", None, None)),
+                                                 None)
   assert ms.moe_param_shapes(lin).experts.w_EDF.shape == (E, D, D)
 
 
@@ -212,7 +216,7 @@ def test_init_on_mesh_is_placed_and_equals_unplaced(mesh):
     name = jax.tree_util.keystr(path)
     assert leaf.sharding.mesh == mesh and leaf.sharding.spec == spec, name
     per_device = {tuple(s.data.shape) for s in leaf.addressable_shards}
-    want = (leaf.shape[0] // 4, *leaf.shape[1:]) if spec == P("expert") else leaf.shape
+    want = (leaf.shape[0] // 4, *leaf.shape[1:]) if spec[0] == "expert" else leaf.shape
     assert per_device == {want}, name
   # The values do not depend on where they were generated.
   assert_tree_close(params, ms.init_moe_params(jax.random.key(1), cfg), jnp.float32)
@@ -527,14 +531,14 @@ def test_layer_input_errors(mesh):
       (dict(cfg=dict(d_model=D)), TypeError, "moe_layer: cfg must be a MoEConfig (got dict)"),
       (dict(cfg=dataclasses.replace(cfg, impl="all_to_all")), ValueError,
        "moe_layer: impl 'all_to_all' needs a mesh with the expert axis 'expert' "
-       "(got mesh=None)"),
+       "(got mesh=None, and no mesh in scope with that axis)"),
       (dict(cfg=dataclasses.replace(cfg, impl="all_gather", expert_axis="ep"), mesh=mesh),
        ValueError, "moe_layer: mesh must have the expert axis 'ep' (got axes ('expert', "
        "'data'))"),
       (dict(mesh=mesh, cfg=config(num_experts=6)), ValueError,
        "moe_layer: num_experts (6) must be divisible by the 'expert' axis size (4)"),
-      (dict(mesh="mesh"), TypeError, "moe_layer: mesh must be a jax.sharding.Mesh or None "
-       "(got str)"),
+      (dict(mesh="mesh"), TypeError, "moe_layer: mesh must be a jax.sharding.Mesh, an "
+       "AbstractMesh or None (got str)"),
   ]
   for kwargs, error, message in cases:
     if "cfg" in kwargs and isinstance(kwargs["cfg"], ms.MoEConfig) and "params" not in kwargs:

@@ -1,0 +1,63 @@
+"""`MoE`: the MoE layer as an Equinox module (the `equinox` extra: `pip install moe_shard[equinox]`).
+
+    from moe_shard.equinox import MoE
+    moe = MoE(cfg, key=jax.random.key(0), mesh=mesh)   # parameters created sharded
+    y_BSD, aux = moe(x_BSD)                             # moe_layer(moe.params, x_BSD, cfg, mesh)
+
+A thin module over `init_moe_params` and `moe_layer`: its one array field is `params`, the
+`MoEParams` pytree (arrays already placed with `moe_param_specs`); `cfg` and `mesh` are
+static fields. `moe(x_BSD)` takes the whole batch (not one example: no `jax.vmap` needed).
+
+One compile per training run. `optax.adam(...).init(params)` creates its step count with
+`jnp.zeros`, and a model's own `jnp.ones` scales are made the same way: outside a mesh
+context they sit on one device, while a jitted step returns them replicated on the mesh, so
+the second step sees new input shardings and compiles again. Create the model and the
+optimizer state inside `with jax.set_mesh(mesh):` (arrays made there are replicated on the
+mesh); training may then run inside or outside it.
+
+Importing `moe_shard` does not import Equinox; this module does.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+
+from moe_shard.config import MoEConfig, check_config
+from moe_shard.layer import MoEParams, init_moe_params, moe_layer
+from moe_shard.sharding import resolve_mesh
+
+
+class MoE(eqx.Module):
+  """One MoE layer (router, top-k, dispatch, experts, shared experts) as an Equinox module.
+
+  Args:
+    cfg: `MoEConfig`.
+    key: a `jax.random` key for the parameters (keyword-only).
+    mesh: a `jax.sharding.Mesh` with `cfg.expert_axis` (an `AbstractMesh` under
+      `eqx.filter_eval_shape`), or None (default): the mesh in scope (`jax.set_mesh(mesh)`)
+      when it has the expert axis, else no mesh. The mesh resolved here is kept and used
+      by every call; with none, each call uses the mesh in scope then (as `moe_layer`).
+
+  Attributes:
+    params: `MoEParams` (router replicated, experts split over `cfg.expert_axis`).
+    cfg, mesh: static.
+
+  Calling it with `x_BSD: f[B, S, D]` returns `(y_BSD, aux)` as `moe_layer`.
+  """
+
+  params: MoEParams
+  cfg: MoEConfig = eqx.field(static=True)
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = eqx.field(static=True)
+
+  def __init__(self, cfg, *, key, mesh=None):
+    fn = "moe_shard.equinox.MoE"
+    check_config(fn, cfg)
+    self.cfg = cfg
+    self.mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+    self.params = init_moe_params(key, cfg, mesh=self.mesh)
+
+  def __call__(self, x_BSD):
+    """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`)."""
+    return moe_layer(self.params, x_BSD, self.cfg, mesh=self.mesh)
+

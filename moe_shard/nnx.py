@@ -1,0 +1,78 @@
+"""`MoE`: the MoE layer as a Flax NNX module (the `flax` extra: `pip install moe_shard[flax]`).
+
+    from moe_shard.nnx import MoE
+    moe = MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh)   # parameters created sharded
+    y_BSD, aux = moe(x_BSD)                        # moe_layer(moe.moe_params(), x_BSD, cfg, mesh)
+
+A thin module over `init_moe_params` and `moe_layer`: the parameters are the leaves of
+`MoEParams`, each an `nnx.Param` carrying its `PartitionSpec` as Flax's `out_sharding`
+metadata (`moe_param_specs`, one entry per dimension), so `nnx.get_partition_spec`,
+`nnx.vmap`/`nnx.scan` with `transform_metadata={nnx.PARTITION_NAME: ...}` and checkpointing
+with shardings see what the arrays are. State paths mirror `MoEParams`: `router_DE`,
+`experts.gate_EDF`, `experts.up_EDF`, `experts.down_EFD` (or `experts.w_EDF`), and
+`shared.*` with shared experts. `cfg` and `mesh` are static attributes.
+
+Importing `moe_shard` does not import Flax; this module does.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from moe_shard.config import check_config
+from moe_shard.layer import MoEParams, init_moe_params, moe_layer, moe_param_specs
+from moe_shard.sharding import resolve_mesh
+
+
+def _param(value, spec):
+  # The value is already placed (init_moe_params): no eager re-sharding, which would also
+  # demand a mesh in scope when there is none.
+  return nnx.Param(value, out_sharding=spec, eager_sharding=False)
+
+
+def _is_variable(x):
+  return isinstance(x, nnx.Variable)
+
+
+class MoE(nnx.Module):
+  """One MoE layer (router, top-k, dispatch, experts, shared experts) as an NNX module.
+
+  Args:
+    cfg: `MoEConfig`.
+    rngs: `nnx.Rngs`; the parameters are drawn from `rngs.params()`.
+    mesh: a `jax.sharding.Mesh` with `cfg.expert_axis` (an `AbstractMesh` under
+      `nnx.eval_shape`), or None (default): the mesh in scope (`jax.set_mesh(mesh)`) when
+      it has the expert axis, else no mesh. The mesh resolved here is kept and used by
+      every call; with none, each call uses the mesh in scope then (as `moe_layer`).
+
+  Attributes:
+    router_DE: `nnx.Param` f32[D, E], replicated.
+    experts: `SwiGLU` (or `Linear`) of `nnx.Param`s, expert axis first, split over
+      `cfg.expert_axis`.
+    shared: `SwiGLU` of `nnx.Param`s for the shared experts (replicated), or None.
+    cfg, mesh: static.
+
+  Calling it with `x_BSD: f[B, S, D]` returns `(y_BSD, aux)` as `moe_layer`.
+  """
+
+  def __init__(self, cfg, *, rngs, mesh=None):
+    fn = "moe_shard.nnx.MoE"
+    check_config(fn, cfg)
+    self.cfg = cfg
+    self.mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+    params = init_moe_params(rngs.params(), cfg, mesh=self.mesh)
+    specs = moe_param_specs(cfg)
+    self.router_DE = _param(params.router_DE, specs.router_DE)
+    self.experts = nnx.data(jax.tree.map(_param, params.experts, specs.experts))
+    self.shared = nnx.data(None if params.shared is None
+                           else jax.tree.map(_param, params.shared, specs.shared))
+
+  def moe_params(self):
+    """The parameters as a `MoEParams` of arrays (what `moe_layer` takes)."""
+    tree = MoEParams(self.router_DE, self.experts, self.shared)
+    return jax.tree.map(lambda v: v[...], tree, is_leaf=_is_variable)
+
+  def __call__(self, x_BSD):
+    """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`)."""
+    return moe_layer(self.moe_params(), x_BSD, self.cfg, mesh=self.mesh)
