@@ -28,10 +28,10 @@ from moe_shard.config import MoEConfig
 from moe_shard.dispatch import DISPATCHES, Dispatch, choose_impl
 from moe_shard.experts import Linear, SwiGLU
 from moe_shard.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
-from moe_shard.layer import (MoEParams, init_moe_params, moe_layer, moe_param_shapes,
-                             moe_param_specs, num_routing_groups)
+from moe_shard.layer import moe_layer, num_routing_groups
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.parallel import moe_all_gather, moe_all_to_all
+from moe_shard.params import MoEParams, init_moe_params, moe_param_shapes, moe_param_specs
 from moe_shard.remat import (CHECKPOINT_NAMES, MOE_DISPATCH_OUT, MOE_DISPATCH_RECV,
                              MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP, MOE_ROUTER_LOGITS)
 from moe_shard.routing import (ROUTERS, Router, Routing, capacity, drop_over_capacity,

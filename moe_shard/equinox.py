@@ -24,7 +24,8 @@ import equinox as eqx
 import jax
 
 from moe_shard.config import MoEConfig, check_config
-from moe_shard.layer import MoEParams, init_moe_params, moe_layer
+from moe_shard.layer import moe_layer
+from moe_shard.params import MoEParams, init_moe_params
 from moe_shard.sharding import resolve_mesh
 
 

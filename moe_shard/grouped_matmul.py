@@ -3,8 +3,9 @@
     y[m] = x[m] @ w[g(m)]   for m < sum(group_sizes), where rows of group g are contiguous
     y[m] = 0                for m >= sum(group_sizes)
 
-`BACKENDS` is the table of implementations, each `(x_MD, w_GDF, group_sizes_G, *, max_tile,
-min_tile) -> f32[M, F]`, differentiable in x and w, doing only the routed FLOPs where it can:
+`BACKENDS` is the table of implementations, each `(x_MD, w_GDF, group_sizes_G, *, out_dtype,
+max_tile, min_tile) -> [M, F]` (products accumulated in float32, the result written in
+`out_dtype`), differentiable in x and w, doing only the routed FLOPs where it can:
 
   * "tiled" (`gmm_tiled.py`): power-of-two row tiles in group-major `while_loop`s, routed
     FLOPs plus bounded padding, forward and backward, on any platform. The CPU backend.
@@ -35,25 +36,27 @@ from moe_shard.gmm_tpu import megablox_gmm
 from moe_shard.sharding import match_vma
 
 
-def tiled(x_MD, w_GDF, group_sizes_G, *, max_tile=None, min_tile=None):
+def tiled(x_MD, w_GDF, group_sizes_G, *, out_dtype, max_tile=None, min_tile=None):
   """The "tiled" backend (`gmm_tiled`); tile sizes default to `default_tiles(M, G)`."""
   M, G = x_MD.shape[0], w_GDF.shape[0]
   tiles = tile_sizes(M, *_tiles_or_default(M, G, max_tile, min_tile))
-  return gmm_tiled(x_MD, w_GDF, group_sizes_G, tiles)
+  return gmm_tiled(x_MD, w_GDF, group_sizes_G, tiles).astype(out_dtype)
 
 
-def ragged_dot(x_MD, w_GDF, group_sizes_G, **_):
+def ragged_dot(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   """The "ragged_dot" backend: `lax.ragged_dot`, accumulating in float32."""
-  return jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
+  y_MF = jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
+  return y_MF.astype(out_dtype)
 
 
-def megablox(x_MD, w_GDF, group_sizes_G, **_):
-  """The "megablox" backend: megablox's kernels on TPU, interpreted elsewhere."""
+def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
+  """The "megablox" backend: megablox's kernels on TPU, interpreted elsewhere. The kernels
+  write `out_dtype` themselves (f32 accumulators inside)."""
   if x_MD.dtype not in MEGABLOX_DTYPES:
-    return ragged_dot(x_MD, w_GDF, group_sizes_G)
+    return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
 
   def run(interpret):
-    return lambda x, w, gs: megablox_gmm(x, w, gs, preferred_element_type=jnp.float32,
+    return lambda x, w, gs: megablox_gmm(x, w, gs, preferred_element_type=out_dtype,
                                          interpret=interpret)
 
   return jax.lax.platform_dependent(x_MD, w_GDF, group_sizes_G, tpu=run(False),
@@ -104,13 +107,14 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, impl="auto", preferred_element
   # Checked here, at trace time, for every backend (a platform branch is traced lazily).
   tile_sizes(x_MD.shape[0], *_tiles_or_default(x_MD.shape[0], w_GDF.shape[0], max_tile,
                                                min_tile))
-  out_dtype = x_MD.dtype if preferred_element_type is None else preferred_element_type
+  out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None else preferred_element_type)
   w_GDF = w_GDF.astype(x_MD.dtype)
   group_sizes_G = group_sizes_G.astype(jnp.int32)
   x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF, group_sizes_G)
 
   def backend(name):
-    return lambda x, w, gs: BACKENDS[name](x, w, gs, max_tile=max_tile, min_tile=min_tile)
+    return lambda x, w, gs: BACKENDS[name](x, w, gs, out_dtype=out_dtype, max_tile=max_tile,
+                                           min_tile=min_tile)
 
   if impl != "auto":
     y = backend(impl)(x_MD, w_GDF, group_sizes_G)
@@ -118,7 +122,7 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, impl="auto", preferred_element
     y = jax.lax.platform_dependent(
         x_MD, w_GDF, group_sizes_G, default=backend(DEFAULT_BACKEND),
         **{platform: backend(name) for platform, name in PLATFORM_BACKENDS.items()})
-  return y.astype(out_dtype)
+  return y
 
 
 def _tiles_or_default(M, G, max_tile, min_tile):

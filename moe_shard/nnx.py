@@ -21,7 +21,8 @@ import jax
 from flax import nnx
 
 from moe_shard.config import check_config
-from moe_shard.layer import MoEParams, init_moe_params, moe_layer, moe_param_specs
+from moe_shard.layer import moe_layer
+from moe_shard.params import MoEParams, init_moe_params, moe_param_specs
 from moe_shard.sharding import resolve_mesh
 
 
