@@ -22,6 +22,11 @@ PRESETS = {
                   modes="fwd,fwd_bwd", repeats=2, scaling=True),
     "tpu": dict(tokens=32768, d_model=2048, d_ff=4096, top_k=2, experts="8,64",
                 routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=0),
+    # DeepSeek-like granularity: many small experts, K=8, group-limited sigmoid routing.
+    "deepseek": dict(tokens=2048, d_model=256, d_ff=128, top_k=8, experts="256",
+                     routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2,
+                     router=dict(score_func="sigmoid", num_groups=8, top_k_groups=4,
+                                 routed_scaling=2.5)),
     "tpu_quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
                       routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd",
                       repeats=0),
@@ -49,6 +54,10 @@ def parser():
   g = p.add_mutually_exclusive_group()
   g.add_argument("--quick", action="store_true", help="small sizes, about a minute")
   g.add_argument("--sweep", action="store_true", help="the full matrix (tens of minutes)")
+  g.add_argument("--deepseek", action="store_true",
+                 help="DeepSeek-like layer: E=256, K=8, d_ff=128, sigmoid scores, 8 expert "
+                      "groups of which each token keeps 4, scaling 2.5 (T=2048, D=256 on CPU; "
+                      "with --tpu: T=32768, D=2048, d_ff=1024)")
   p.add_argument("--tpu", metavar="TOPOLOGY",
                  help="compile for a TPU topology (e.g. v5e:2x4) without running; needs "
                       "the tpu extra. Default sizes T=32768 D=2048 F=4096 bf16")
@@ -115,7 +124,12 @@ def settings(a):
   """Merges the preset with the flags; validates what needs no JAX."""
   preset = ("tpu_quick" if a.quick else "tpu") if a.tpu else (
       "quick" if a.quick else "sweep" if a.sweep else "default")
+  if a.deepseek:
+    preset = "deepseek"
   s = dict(PRESETS[preset], preset=preset)
+  if a.deepseek and a.tpu:
+    s.update(tokens=32768, d_model=2048, d_ff=1024, repeats=0)
+  s.setdefault("router", {})
   for key in ("tokens", "d_model", "d_ff", "top_k", "experts", "routing", "levels", "modes",
               "repeats"):
     if getattr(a, key) is not None:

@@ -46,6 +46,11 @@ class Size:
   capacity_factor: float = 1.25  # jit_gshard_einsum only
   zipf_s: float = 1.2
   chunk_size: int | None = None  # all_to_all's C_first (None: the library's default)
+  # The layer's router (MoEConfig fields): sigmoid scores, group-limited top-k, scaling.
+  score_func: str = "softmax"
+  num_groups: int = 1
+  top_k_groups: int | None = None
+  routed_scaling: float = 1.0
 
 
 @dataclasses.dataclass
@@ -93,7 +98,9 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   dtype = jnp.dtype(size.dtype)
   # The kernel level reads the dispatch settings (chunk size, expert axis) from it too.
   cfg = ms.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, param_dtype=dtype,
-                     chunk_size=size.chunk_size)
+                     chunk_size=size.chunk_size, score_func=size.score_func,
+                     num_groups=size.num_groups, top_k_groups=size.top_k_groups,
+                     routed_scaling=size.routed_scaling)
   tok = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   rng = np.random.default_rng(seed)
   b = dtype.itemsize
@@ -136,20 +143,31 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   else:
     params = ms.init_moe_params(jax.random.key(seed), cfg, mesh=mesh)
   params = dataclasses.replace(params, router_DE=put(router, rep, np.float32))
-  experts = host_top_k(x.reshape(T, D), router, K, dtype)
+  experts = host_top_k(x.reshape(T, D), router, K, dtype, size)
   args = (params, put(x, tok, dtype), put(draw(B, T // B, D), tok, dtype))
   routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * K
   return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg)
 
 
-def host_top_k(x_TD, router_DE, k, dtype):
+def host_top_k(x_TD, router_DE, k, dtype, size=None):
   """The layer's routing of x, computed on the host in NumPy (independently of the library).
 
   What the compiled program routes: x rounded to its dtype, logits in float32, the k
-  largest (ties: lowest index first, as `lax.top_k`). The bench's own router rows make the
-  margins wide: the skew row alone separates the experts by far more than float32 noise.
+  largest scores (ties: lowest index first, as `lax.top_k`); with `size`'s router settings,
+  sigmoid scores and DeepSeek-V3's group limit (a token keeps the `top_k_groups` groups
+  with the largest sum of their top-2 scores). Selection only: the weights do not matter
+  to the accounting.
   """
   logits = np.asarray(np.asarray(x_TD).astype(dtype), np.float32) @ np.asarray(router_DE)
+  if size is not None and size.num_groups > 1:
+    G = size.num_groups
+    scores = 1 / (1 + np.exp(-logits)) if size.score_func == "sigmoid" else logits
+    T, E = scores.shape
+    top2 = -np.sort(-scores.reshape(T, G, E // G), axis=2)[:, :, :min(2, E // G)].sum(axis=2)
+    kept_TG = np.argsort(-top2, axis=1, kind="stable")[:, :size.top_k_groups or G]
+    mask_TG = np.zeros((T, G), bool)
+    np.put_along_axis(mask_TG, kept_TG, True, axis=1)
+    logits = np.where(np.repeat(mask_TG, E // G, axis=1), logits, -np.inf)
   return np.argsort(-logits, axis=1, kind="stable")[:, :k].astype(np.int32)
 
 

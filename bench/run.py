@@ -96,7 +96,8 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   def sizes_and_cases(part):
     return [(progs.Size(T=T, D=part["d_model"], F=part["d_ff"], K=s["top_k"],
                         dtype=s["dtype"], capacity_factor=a.capacity_factor,
-                        zipf_s=a.zipf_s, chunk_size=a.chunk_size), (lv, E, r))
+                        zipf_s=a.zipf_s, chunk_size=a.chunk_size, **s["router"]),
+             (lv, E, r))
             for T in part["tokens"] for lv in part["levels"] for E in part["experts"]
             for r in part["routing"]]
 
