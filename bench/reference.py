@@ -56,16 +56,21 @@ def kernel(x_TD, w_EDF, experts_TK, weights_TK, *, kept=None):
 
 
 def layer(params, x_BSD, cfg, experts_TK, *, kept=None):
-  """The layer level: softmax top-k weights over the given experts, SwiGLU experts and the
-  shared experts; f32[B, S, D]."""
+  """The layer level: the router's scores (softmax, or sigmoid with `cfg.score_func`) of the
+  given experts as weights (normalized over them when `cfg.normalize_top_k`, times
+  `cfg.routed_scaling`), SwiGLU experts and the shared experts; f32[B, S, D]."""
   B, S, D = x_BSD.shape
   x = np.asarray(x_BSD, np.float64).reshape(B * S, D)
   logits = x @ np.asarray(params.router_DE, np.float64)
-  probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-  probs /= probs.sum(axis=1, keepdims=True)
+  if getattr(cfg, "score_func", "softmax") == "sigmoid":
+    probs = 1 / (1 + np.exp(-logits))
+  else:
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
   weights = np.take_along_axis(probs, experts_TK, axis=1)
   if cfg.normalize_top_k:
     weights /= weights.sum(axis=1, keepdims=True)
+  weights = weights * getattr(cfg, "routed_scaling", 1.0)
   y = _combine(x, experts_TK, weights, kept, _SwiGLU(params.experts))
   if params.shared is not None:
     shared = _SwiGLU(params.shared)
