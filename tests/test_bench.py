@@ -341,3 +341,19 @@ def test_a_dispatch_defined_outside_the_package_runs_in_the_layer_and_the_benchm
   assert rows["dense_one_hot"]["max_abs_err"] < 1e-3
   # Every expert on every token: E/K = 4 times the expert FLOPs (the router's are extra).
   assert 3.5 < rows["dense_one_hot"]["flops_ratio"] < 4.5
+
+
+def test_deepseek_like_layer_matches_the_reference_and_the_host_routing(mesh8):
+  """Sigmoid scores, 4 expert groups of which each token keeps 2, scaling 2.5: the host's
+  NumPy routing (for the accounting) and reference (for the error) follow the layer."""
+  size = dataclasses.replace(SMALL, K=4, score_func="sigmoid", num_groups=4, top_k_groups=2,
+                             routed_scaling=2.5)
+  case = progs.make_case("layer", 16, "zipf", size, mesh8)
+  groups_TK = case.experts_TK // 4  # expert e is in group e // (E / G)
+  assert all(len(set(g)) <= 2 for g in groups_TK)  # at most 2 groups per token
+  y, _, rounds, dropped = progs.programs(case, "all_to_all")["fwd"](*case.args)
+  acc = impls.IMPLS["all_to_all"].accounting(case)
+  assert (int(rounds), int(dropped)) == (acc.rounds, acc.dropped)
+  params, x, _ = (jax.device_get(a) for a in case.args)
+  want = reference.layer(params, np.asarray(x), case.cfg, case.experts_TK)
+  np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
