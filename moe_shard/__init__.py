@@ -25,7 +25,7 @@ from moe_shard.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
 from moe_shard.layer import (MoEParams, init_moe_params, moe_layer, moe_param_shapes,
                              moe_param_specs)
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
-from moe_shard.parallel import moe_all_gather, moe_all_to_all
+from moe_shard.parallel import moe_all_gather, moe_all_to_all, moe_ragged_all_to_all
 from moe_shard.routing import (ROUTERS, Routing, drop_over_capacity, expert_load,
                                load_balancing_loss, router_z_loss, top_k_routing)
 from moe_shard.sharding import DATA, EXPERT
@@ -56,6 +56,7 @@ __all__ = [
     "moe_masked_scan",
     "moe_param_shapes",
     "moe_param_specs",
+    "moe_ragged_all_to_all",
     "moe_ragged_dot",
     "router_z_loss",
     "top_k_routing",
