@@ -15,6 +15,8 @@ reused, so each (mesh, shape, capacity) compiles once for every routing.
 import functools
 import re
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +26,10 @@ from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
 import oracle
-from cases import ROUTINGS, assert_close, trace
+from cases import ROUTINGS, assert_close, feasible, make_case, outputs, trace
 from moe_shard.parallel import ragged_all_to_all_emulated
-from test_parallel import (MAIN_ROUTINGS, SHAPE, SHAPE_K_EQUALS_E, SHAPE_PADDED, check,
-                           check_forward, key, mesh, reference, run)
+from test_parallel import (MAIN_ROUTINGS, MESH_SHAPES, SHAPE, SHAPE_K_EQUALS_E, SHAPE_PADDED,
+                           check, check_forward, key, mesh, reference, run)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -313,6 +315,32 @@ def test_layer_with_ragged_dispatch():
     outs[impl] = fn(params, x_BSD)
   assert_close(outs["ragged_all_to_all"][0], outs["ragged_dot"][0], jnp.float32)
   jax.tree.map(lambda a, b: assert_close(a, b, jnp.float32), *outs.values())
+
+
+@st.composite
+def ragged_problems(draw):
+  """(mesh name, routing, shape, ffn, capacity, seed): tiny shapes, awkward sizes first."""
+  mesh_name = draw(st.sampled_from(["2x4-explicit", "8x1-auto", "4x2-auto"]))
+  N = MESH_SHAPES[mesh_name.split("-")[0]][0]
+  E = N * draw(st.sampled_from([1, 2]))
+  K = draw(st.integers(1, min(E, 3)))
+  T = draw(st.one_of(st.sampled_from([37, 1, 9]), st.integers(1, 40)))
+  routing = draw(st.sampled_from([r for r in reversed(ROUTINGS) if feasible(r, E=E, K=K)]))
+  shape = dict(T=T, D=draw(st.sampled_from([3, 8])), F=draw(st.sampled_from([5, 1])), E=E,
+               K=K)
+  return (mesh_name, routing, shape, draw(st.sampled_from(["linear", "swiglu"])),
+          draw(st.sampled_from([None, 1, 2, 5])), draw(st.integers(0, 2**16)))
+
+
+@hypothesis.settings(max_examples=4)  # each example is a new shape: a new compile
+@hypothesis.given(ragged_problems())
+def test_matches_oracle_property(problem):
+  mesh_name, routing, shape, ffn, capacity, seed = problem
+  m = mesh(mesh_name)
+  case = make_case(routing, seed=seed, ffn=ffn, num_devices=m.shape[ms.EXPERT], **shape)
+  y, stats = outputs(ragged(m, capacity), *case)
+  assert_close(y, oracle.moe(*case), jnp.float32, f"ragged {problem}")
+  check_stats(stats, case[2], shape["E"], m, capacity)
 
 
 # --------------------------------------------------------------------------- impl="auto"
