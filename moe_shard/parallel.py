@@ -9,6 +9,9 @@ serves its own tokens with the E experts split L = E / N per device.
   * `moe_all_to_all`: each device sorts its items by destination device and sends them in
     rounds of fixed-size `lax.all_to_all`s; dropless, with the number of rounds set on device
     by the busiest (source, destination) pair.
+  * `moe_ragged_all_to_all`: `lax.ragged_all_to_all` sends each (source, destination, expert)
+    queue exactly (an emulation from padded `all_to_all`s on CPU); rounds only when a
+    receive buffer overflows. At the end of the file.
 """
 
 from __future__ import annotations
