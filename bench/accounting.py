@@ -162,11 +162,13 @@ def all_to_all(case, on_tpu=False):
 
 
 def ragged_capacity(tokens_per_device, k, capacity=None):
-  """Receive-buffer rows of the ragged dispatch, written out from its documented rule
-  (`moe_ragged_all_to_all`): 1.25 * T_dev*K rounded up to a multiple of 8, at least 8."""
+  """(C, C_overflow): receive-buffer rows of the ragged dispatch's round 0 and later rounds,
+  written out from its documented rule (`moe_ragged_all_to_all`): C = 1.25 * T_dev*K rounded
+  up to a multiple of 8 (at least 8), C_overflow = C / 4 rounded up to a multiple of 8."""
   if capacity is not None:
-    return capacity
-  return max(8, 8 * math.ceil(1.25 * tokens_per_device * k / 8))
+    return capacity, capacity
+  first = max(8, 8 * math.ceil(1.25 * tokens_per_device * k / 8))
+  return first, max(8, 8 * math.ceil(first / 4 / 8))
 
 
 def ragged_all_to_all(case, on_tpu=False):
@@ -175,7 +177,8 @@ def ragged_all_to_all(case, on_tpu=False):
 
   Device (e, m) receives, for each local expert l and source (e_src, m), the source's items
   for that expert, laid out expert-major; round r moves the window [r*C, (r+1)*C) of that
-  layout, so the rounds are ceil(most received / C). Bytes are exact: each item crosses
+  layout (C rows in round 0, C_overflow in each later one), so the rounds are
+  `a2a_rounds(most received, (C, C_overflow))`. Bytes are exact: each item crosses
   once out (D wide) and once back (F_out wide) when source and expert device differ. In
   fwd_bwd, round 0 is differentiated directly (its transpose: the same items, widths
   swapped) and each later round is replayed by the custom_vjp's backward: its dispatch
@@ -183,9 +186,9 @@ def ragged_all_to_all(case, on_tpu=False):
   both exchanges transposed.
   """
   n_dev, N, M, L, T_dev, load = _layout(case)
-  C = ragged_capacity(T_dev, case.size.K)
+  first, overflow = ragged_capacity(T_dev, case.size.K)
   recv = load.reshape(N, M, N, L).transpose(1, 2, 0, 3)  # [m, e_dst, e_src, l]
-  rounds = max(1, -(-int(recv.sum(axis=(2, 3)).max()) // C))
+  rounds = a2a_rounds(int(recv.sum(axis=(2, 3)).max()), (first, overflow))
   # Position of each (source, expert) queue in its receiver's expert-major layout.
   flat = recv.transpose(0, 1, 3, 2).reshape(M, N, L * N)
   ends = np.cumsum(flat, axis=2).reshape(M, N, L, N).transpose(0, 1, 3, 2)  # [m, dst, src, l]
@@ -197,12 +200,14 @@ def ragged_all_to_all(case, on_tpu=False):
   inner = RAGGED_SCOPE + "/"
   if not on_tpu:
     for d in range(n_dev):
-      trips[d].update({inner + k: 0 for k in loop_trip_counts(np.zeros(L, int), C)})
+      trips[d].update({inner + k: 0 for k in loop_trip_counts(np.zeros(L, int), overflow)})
   out_items = np.zeros((rounds, M, N), np.int64)  # items sent to other devices
   back_items = np.zeros((rounds, M, N), np.int64)  # outputs returned to other devices
   other = ~np.eye(N, dtype=bool)  # [dst, src]
   for r in range(rounds):
-    got = np.clip(np.minimum(ends, (r + 1) * C) - np.maximum(starts, r * C), 0, None)
+    lo = 0 if r == 0 else first + (r - 1) * overflow
+    C = first if r == 0 else overflow
+    got = np.clip(np.minimum(ends, lo + C) - np.maximum(starts, lo), 0, None)
     back_items[r] = np.where(other[None, :, :, None], got, 0).sum(axis=(2, 3))
     out_items[r] = np.where(other[None, :, :, None], got, 0).sum(axis=3).sum(axis=1)
     if not on_tpu:

@@ -439,8 +439,9 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=E
   Each device sorts its T*K (token, slot) items by expert (so by destination device, then
   local expert). A small `all_to_all` tells every device how many items each source sends
   each of its L = E / N local experts; each device lays out what it will receive
-  expert-major (all sources' items for local expert 0, then expert 1, ...). Round r moves
-  positions [r*C, (r+1)*C) of every device's layout into its C-row receive buffer with one
+  expert-major (all sources' items for local expert 0, then expert 1, ...). Round 0 moves
+  positions [0, C) of every device's layout into its C-row receive buffer, each later round
+  the next C_overflow positions, each with one
   `ragged_all_to_all` that sends each (source, destination, expert) queue exactly: no
   padding on the wire. The rows arrive grouped by local expert, the grouped matmul runs on
   them, and a second `ragged_all_to_all` returns the outputs to the sorted positions they
@@ -461,9 +462,10 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=E
     weights: f[T, K] combine weights (the shape of `experts`), or None for ones (default).
     mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types.
     expert_axis: name of the mesh axis experts are split over (default "expert").
-    capacity: rows C of the receive buffer per device and round. None (default): 1.25 times
-      the expected load T_dev*K, rounded up to a multiple of 8 (`plan.default_capacity`),
-      so uniform routing takes one round; an int C >= 1 as given.
+    capacity: rows of the receive buffer per device and round. None (default): round 0
+      takes C = 1.25 times the expected load T_dev*K, rounded up to a multiple of 8, so
+      uniform routing takes one round, and later rounds C_overflow = C/4 rounded up to a
+      multiple of 8 (`plan.default_capacity`); an int C >= 1: C in every round.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
 
@@ -471,7 +473,8 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=E
     y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats
     holds `rounds` (i32[]), `sent_items` and `received_items` (i32[devices]: valid items
     each device sends and receives, itself included), `expert_load` (i32[E]),
-    `invalid_ids` (i32[]: ids outside [0, E)) and `capacity` (int: C).
+    `invalid_ids` (i32[]: ids outside [0, E)), `capacity` and `capacity_overflow` (ints:
+    C and C_overflow).
 
   Raises:
     TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
@@ -486,8 +489,8 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=E
     return out
   y_TF, stats = out
   T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
-  return y_TF, dict(stats, capacity=plan_lib.default_capacity(-(-T // mesh.size), K,
-                                                               capacity))
+  rows = plan_lib.default_capacity(-(-T // mesh.size), K, capacity)
+  return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.overflow)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "capacity",
@@ -497,8 +500,8 @@ def _ragged_jit(x_TD, w, experts, weights, *, mesh, expert_axis, capacity, retur
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
       "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis)
   K = experts_TK.shape[1]
-  cap = plan_lib.default_capacity(lay.padded // mesh.size, K, capacity)
-  body = functools.partial(_ragged_body, lay=lay, capacity=cap, gmm_impl=gmm_impl)
+  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, capacity)
+  body = functools.partial(_ragged_body, lay=lay, rows=rows, gmm_impl=gmm_impl)
   tok = lay.token_spec
   stats_specs = dict(rounds=P(), sent_items=tok, received_items=tok, expert_load=P(),
                      invalid_ids=P())
@@ -519,7 +522,7 @@ class _Ragged:
 
   axis: str
   local_experts: int  # L
-  capacity: int  # C rows of the receive buffer
+  rows: plan_lib.Chunks  # receive-buffer rows of round 0, and of each later round
   gmm_impl: str
 
 
@@ -545,11 +548,11 @@ class _Queues:
   rstart_SL: jax.Array
 
 
-def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, capacity, gmm_impl):
+def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
   # Per-device sizes: T tokens of this device, K slots, I = T*K items, L local experts,
-  # N (= S) devices on the expert axis, C rows of the receive buffer.
+  # N (= S) devices on the expert axis, C rows of a receive buffer.
   axis, N = lay.expert_axis, lay.n
-  cfg = _Ragged(axis, lay.num_experts // N, capacity, gmm_impl)
+  cfg = _Ragged(axis, lay.num_experts // N, rows, gmm_impl)
   T, K = experts_TK.shape
   with jax.named_scope("plan"):
     order_I, load_E, valid_I = local.sort_by_expert(experts_TK.reshape(-1), lay.num_experts)
@@ -565,11 +568,11 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, capacity, gmm_impl
     q = _Queues(offset_NL, count_NL, start_NL, from_SL, recv_SL, rstart_SL)
     # Every device runs as many rounds as the fullest receive order on the mesh needs.
     received = jnp.sum(recv_SL)
-    rounds = plan_lib.ragged_rounds(jax.lax.pmax(received, lay.all_axes), capacity)
+    rounds = rows.rounds(jax.lax.pmax(received, lay.all_axes))
   ffn_L = vary_over(ffn_L, lay.other_axes)
   with jax.named_scope("permute"):
     x_ID = x_TD[order_I // K]  # sorted by (destination, expert); invalid items last
-  y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0)
+  y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0, rows.first)
   y_IF = y_IF + _ragged_overflow(cfg, x_ID, ffn_L, q, rounds)
   with jax.named_scope("combine"):
     y_TKF = y_IF[local.inverse_permutation(order_I)].reshape(T, K, -1)
@@ -585,22 +588,22 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, capacity, gmm_impl
   return y_TF.astype(x_TD.dtype), stats
 
 
-def _ragged_round(cfg, x_ID, ffn_L, q, r, y_IF=None):
-  """Round r: window [r*C, (r+1)*C) of every receive order, there and back.
+def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
+  """One round: window [lo, lo + C) of every receive order, there and back.
 
   Args:
     cfg: `_Ragged`.
     x_ID: f[I, D] this device's items sorted by (destination, expert).
     ffn_L: the expert FFN of this device's L experts.
     q: `_Queues`.
-    r: the round (traced ok).
+    lo: the window's first position (traced ok).
+    C: its rows (static).
     y_IF: f[I, F] to write the returned rows into (default None: zeros).
 
   Returns:
     y_IF with this round's outputs written at their items' sorted positions.
   """
-  I, C = x_ID.shape[0], cfg.capacity
-  lo = r * C
+  I = x_ID.shape[0]
   skip_NL, send_NL, at_NL = plan_lib.window(q.start_NL, q.count_NL, lo, C)
   rskip_SL, recv_SL, rat_SL = plan_lib.window(q.rstart_SL, q.recv_SL, lo, C)
   flat = lambda a: a.reshape(-1)
@@ -629,7 +632,8 @@ def _ragged_overflow(cfg, x_ID, ffn_L, q, rounds):
   """Rounds 1 .. rounds - 1 of `_ragged_round`: f[I, F] (zeros when there are none)."""
   def body(carry):
     r, y_IF = carry
-    return r + 1, _ragged_round(cfg, x_ID, ffn_L, q, r, y_IF)
+    return r + 1, _ragged_round(cfg, x_ID, ffn_L, q, cfg.rows.start(r), cfg.rows.overflow,
+                                y_IF)
 
   y_IF = zeros_varying((x_ID.shape[0], ffn_L.d_out), x_ID.dtype, x_ID)
   # Named so that measure.collective_bytes can scale the loop body by rounds - 1.
@@ -647,7 +651,8 @@ def _ragged_overflow_bwd(cfg, res, dy_IF):
 
   def body(carry):
     r, acc = carry
-    _, vjp = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, r), x_ID, ffn_L)
+    _, vjp = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, cfg.rows.start(r),
+                                                cfg.rows.overflow), x_ID, ffn_L)
     return r + 1, jax.tree.map(jnp.add, acc, vjp(dy_IF))
 
   zeros = jax.tree.map(jnp.zeros_like, (x_ID, ffn_L))

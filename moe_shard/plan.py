@@ -157,35 +157,35 @@ def round_counts(count_N, chunks, rounds):
 # The ragged dispatch sends each (source, destination, local expert) queue exactly. A device's
 # receive order is expert-major, source-minor: the queues of local expert 0 from sources
 # 0..N-1, then those of expert 1, and so on, so rows arrive grouped by local expert. Round r
-# moves the window [r*C, (r+1)*C) of every device's receive order into its C-row buffer.
+# moves the window [start_r, start_r + C_r) of every device's receive order into its C_r-row
+# buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
 
 RECV_FACTOR = 1.25  # default receive buffer: this times the expected load T*K, in rows
 
 
 def default_capacity(tokens, k, capacity=None):
-  """Rows of the ragged dispatch's receive buffer per device.
+  """Rows of the ragged dispatch's receive buffers per device: round 0's, then the others'.
 
   Args:
     tokens: T tokens per device (static).
     k: K slots per token.
-    capacity: None (default): `RECV_FACTOR` (1.25) times the expected load T*K (every
-      device receives T*K items on average), rounded up to a multiple of 8, at least 8. An
-      int C >= 1 is used as is.
+    capacity: None (default): round 0 takes `RECV_FACTOR` (1.25) times the expected load
+      T*K (every device receives T*K items on average), rounded up to a multiple of 8, at
+      least 8; the overflow rounds a quarter of that, rounded up to a multiple of 8 (so a
+      round that never runs under uniform routing reserves little memory). An int C >= 1:
+      C rows in every round.
 
   Returns:
-    C, an int.
+    `Chunks(first, overflow)`: the rows of round 0 and of each later round.
 
   Raises:
     TypeError, ValueError: a `capacity` that is not None or an int >= 1.
   """
   if capacity is not None:
-    return _checks.int_field("moe_ragged_all_to_all", "capacity", capacity, 1)
-  return max(8, 8 * math.ceil(RECV_FACTOR * tokens * k / 8))
-
-
-def ragged_rounds(max_received, capacity):
-  """Rounds that empty the fullest receive order: ceil(max_received / C), at least 1."""
-  return jnp.maximum(1, (max_received + capacity - 1) // capacity)
+    c = _checks.int_field("moe_ragged_all_to_all", "capacity", capacity, 1)
+    return Chunks(c, c)
+  first = max(8, 8 * math.ceil(RECV_FACTOR * tokens * k / 8))
+  return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
 
 
 def receive_starts(recv_SL):
@@ -206,7 +206,7 @@ def window(start, count, lo, size):
 
   A queue of `count` items at positions [start, start + count) of its receiver's order
   sends its items [skip, skip + n) in this round, written at `at` of the receive buffer.
-  Every item of a queue falls in exactly one window of the rounds r*C, r = 0, 1, ...
+  The rounds' windows tile the receive order, so every item falls in exactly one.
 
   Args:
     start, count: int arrays of one shape (traced ok).

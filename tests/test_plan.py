@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_shard.plan import (Chunks, default_capacity, default_chunks, ragged_rounds,
-                            receive_starts, round_counts, round_slots, send_plan, window)
+from moe_shard.plan import (Chunks, default_capacity, default_chunks, receive_starts,
+                            round_counts, round_slots, send_plan, window)
 
 # --------------------------------------------------------------------------- default_chunks
 
@@ -274,12 +274,15 @@ def test_round_counts_rejects(count, rounds, err, match):
 
 
 @pytest.mark.parametrize("tokens, k, capacity, want", [
-    (5, 2, None, 16),  # 1.25 * 10 = 12.5 -> up to a multiple of 8: 16
-    (64, 2, None, 160),  # 1.25 * 128 = 160, already a multiple of 8
-    (4096, 2, None, 10240),  # the benchmark's T_dev = 32768 / 8, K = 2
-    (1, 1, None, 8),  # 1.25 -> the floor of 8 rows
-    (0, 2, None, 8),
-    (40, 2, 3, 3),  # an explicit capacity is used as given
+    # 1.25 * 10 = 12.5 -> up to a multiple of 8: 16; overflow 16 / 4 = 4 -> at least 8.
+    (5, 2, None, Chunks(16, 8)),
+    # 1.25 * 128 = 160, already a multiple of 8; overflow 160 / 4 = 40.
+    (64, 2, None, Chunks(160, 40)),
+    # The benchmark's T_dev = 32768 / 8, K = 2: 10240; overflow 2560.
+    (4096, 2, None, Chunks(10240, 2560)),
+    (1, 1, None, Chunks(8, 8)),  # 1.25 -> the floor of 8 rows
+    (0, 2, None, Chunks(8, 8)),
+    (40, 2, 3, Chunks(3, 3)),  # an explicit capacity: every round
 ])
 def test_default_capacity(tokens, k, capacity, want):
   assert default_capacity(tokens, k, capacity) == want
@@ -291,11 +294,6 @@ def test_default_capacity_rejects(capacity, err):
   with pytest.raises(err, match=re.escape(
       "moe_ragged_all_to_all: capacity must be ")):
     default_capacity(40, 2, capacity)
-
-
-@pytest.mark.parametrize("most, capacity, want", [(0, 8, 1), (8, 8, 1), (9, 8, 2), (40, 3, 14)])
-def test_ragged_rounds(most, capacity, want):
-  assert int(ragged_rounds(jnp.int32(most), capacity)) == want
 
 
 def test_receive_starts_by_hand():
@@ -332,7 +330,7 @@ def test_windows_receive_every_item_once_grouped_by_expert(recv, capacity):
   recv_SL = np.array(recv).T  # [S=3, L]
   start_SL = np.asarray(receive_starts(jnp.asarray(recv_SL)))
   total = int(recv_SL.sum())
-  rounds = int(ragged_rounds(jnp.int32(total), capacity))
+  rounds = max(1, -(-total // capacity))
   seen = np.zeros(recv_SL.shape, int)
   for r in range(rounds):
     skip, n, at = (np.asarray(a) for a in window(jnp.asarray(start_SL), jnp.asarray(recv_SL),
@@ -347,4 +345,3 @@ def test_windows_receive_every_item_once_grouped_by_expert(recv, capacity):
     filled = rows[:int(n.sum())]
     assert np.all(filled >= 0) and np.all(np.diff(filled) >= 0)  # packed, expert-major
   np.testing.assert_array_equal(seen, recv_SL)
-  assert rounds == max(1, -(-total // capacity))

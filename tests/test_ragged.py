@@ -165,7 +165,8 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   Tokens padded with id -1 to a multiple of the device count, split in order over the
   devices (device index = its position in P(all axes)); device d receives the valid items
   of the devices sharing its other-axes coordinates that route to its L experts. Rounds:
-  the fullest receiver's items over the capacity C (1.25 T_dev K up to a multiple of 8).
+  one of C rows (1.25 T_dev K up to a multiple of 8), then one per C_overflow (C / 4 up to
+  a multiple of 8) of the fullest receiver's items past C; an explicit capacity: C each.
   """
   ids_TK = np.asarray(experts_TK).astype(np.int64).reshape(len(experts_TK), -1)
   T, K = ids_TK.shape
@@ -184,10 +185,12 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
       if other[s] == other[d]:
         received[d] += np.sum(valid_SI[s] & (ids_SI[s] // L == e_pos[d]))
   C = capacity or max(8, 8 * -(-5 * (ids_SI.shape[1]) // 32))  # 1.25 * T_dev * K, up to 8s
+  C_over = capacity or max(8, 8 * -(-C // 32))
   valid_TK = (ids_TK >= 0) & (ids_TK < E)
-  return dict(rounds=max(1, -(-received.max() // C)), sent_items=valid_SI.sum(axis=1),
-              received_items=received, expert_load=np.bincount(ids_TK[valid_TK], minlength=E),
-              invalid_ids=int(np.sum(~valid_TK)), capacity=C)
+  return dict(rounds=1 + -(-max(received.max() - C, 0) // C_over),
+              sent_items=valid_SI.sum(axis=1), received_items=received,
+              expert_load=np.bincount(ids_TK[valid_TK], minlength=E),
+              invalid_ids=int(np.sum(~valid_TK)), capacity=C, capacity_overflow=C_over)
 
 
 def check_stats(stats, experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
@@ -212,10 +215,10 @@ def test_matches_references(mesh_name, routing):
   _, _, stats = check(ragged(m), ref, f"ragged/{mesh_name}/{routing}")
   want = check_stats(stats, ref.case[2], SHAPE["E"], m)
   if routing == "one_expert":
-    # The 80 items of each data column's devices go to one device, 16 rows per round
-    # (1.25 * 5 tokens * 2 -> 16): 5 rounds on 8x1, 3 on 4x2.
+    # The 80 items of each data column's devices go to one device: 16 rows in round 0
+    # (1.25 * 5 tokens * 2 -> 16), then 8 per round: 9 rounds on 8x1, 4 on 4x2.
     columns = m.size // m.shape[ms.EXPERT]
-    assert want["rounds"] == -(-80 // columns // 16) > 1
+    assert want["rounds"] == 1 + -(-(80 // columns - 16) // 8) > 1
 
 
 @pytest.mark.parametrize("routing", MAIN_ROUTINGS)
@@ -296,7 +299,8 @@ def test_eager_call_top1_no_weights():
   x_TD, w, experts_TK, _ = reference("one_device", key(dict(SHAPE_PADDED, K=1))).case
   y, stats = ms.moe_ragged_all_to_all(x_TD, w, experts_TK[:, 0], mesh=m, return_stats=True)
   assert_close(y, oracle.moe(x_TD, w, experts_TK[:, 0]), jnp.float32)
-  assert type(stats["capacity"]) is int and int(stats["invalid_ids"]) == 0
+  assert type(stats["capacity"]) is int and type(stats["capacity_overflow"]) is int
+  assert int(stats["invalid_ids"]) == 0
   y_only = ms.moe_ragged_all_to_all(x_TD, w, experts_TK[:, 0], mesh=m)
   assert isinstance(y_only, jax.Array)
 
