@@ -16,7 +16,7 @@ import numpy as np
 
 import moe_shard as ms
 from moe_shard.gmm_tiled import GROUP_SCOPE, TILE_SCOPE, default_tiles, tile_sizes
-from moe_shard.parallel import OVERFLOW_SCOPE
+from moe_shard.parallel import OVERFLOW_SCOPE, RAGGED_SCOPE
 from moe_shard.sharding import EXPERT
 
 
@@ -84,12 +84,15 @@ class Accounting:
     trips: per device (mesh order), {named-scope path: total iterations} of its
       data-dependent loops, for `measure.executed_flops` / `collective_bytes`.
     kept: bool[T, K] the (token, slot) items it computes, or None for all of them.
+    sent_bytes: {mode: bytes} the busiest device sends through collectives sized at run
+      time (ragged-all-to-all), which the compiled program cannot show; None when none.
   """
 
   rounds: int | None
   dropped: int
   trips: list
   kept: np.ndarray | None = None
+  sent_bytes: dict | None = None
 
 
 def device_loads(experts_TK, num_experts, num_devices):
@@ -156,6 +159,70 @@ def all_to_all(case, on_tpu=False):
         key = k if r == 0 else inner + k
         trips[dst][key] = trips[dst].get(key, 0) + v
   return Accounting(rounds, 0, trips)
+
+
+def ragged_capacity(tokens_per_device, k, capacity=None):
+  """(C, C_overflow): receive-buffer rows of the ragged dispatch's round 0 and later rounds,
+  written out from its documented rule (`moe_ragged_all_to_all`): C = 1.25 * T_dev*K rounded
+  up to a multiple of 8 (at least 8), C_overflow = C / 4 rounded up to a multiple of 8."""
+  if capacity is not None:
+    return capacity, capacity
+  first = max(8, 8 * math.ceil(1.25 * tokens_per_device * k / 8))
+  return first, max(8, 8 * math.ceil(first / 4 / 8))
+
+
+def ragged_all_to_all(case, on_tpu=False):
+  """The ragged dispatch's rounds, the bytes its exchanges send, and (CPU) the tiled
+  kernel's loops in each round.
+
+  Device (e, m) receives, for each local expert l and source (e_src, m), the source's items
+  for that expert, laid out expert-major; round r moves the window [r*C, (r+1)*C) of that
+  layout (C rows in round 0, C_overflow in each later one), so the rounds are
+  `a2a_rounds(most received, (C, C_overflow))`. Bytes are exact: each item crosses
+  once out (D wide) and once back (F_out wide) when source and expert device differ. In
+  fwd_bwd, round 0 is differentiated directly (its transpose: the same items, widths
+  swapped) and each later round is replayed by the custom_vjp's backward: its dispatch
+  again (XLA drops the replayed return, whose value the transpose does not need), then
+  both exchanges transposed.
+  """
+  n_dev, N, M, L, T_dev, load = _layout(case)
+  first, overflow = ragged_capacity(T_dev, case.size.K)
+  recv = load.reshape(N, M, N, L).transpose(1, 2, 0, 3)  # [m, e_dst, e_src, l]
+  rounds = a2a_rounds(int(recv.sum(axis=(2, 3)).max()), (first, overflow))
+  # Position of each (source, expert) queue in its receiver's expert-major layout.
+  flat = recv.transpose(0, 1, 3, 2).reshape(M, N, L * N)
+  ends = np.cumsum(flat, axis=2).reshape(M, N, L, N).transpose(0, 1, 3, 2)  # [m, dst, src, l]
+  starts = ends - recv
+  D = case.size.D
+  f_out = case.size.F if case.level == "kernel" else D
+  b = np.dtype(jnp.dtype(case.size.dtype)).itemsize
+  trips = [{RAGGED_SCOPE: rounds - 1} for _ in range(n_dev)]
+  inner = RAGGED_SCOPE + "/"
+  if not on_tpu:
+    for d in range(n_dev):
+      trips[d].update({inner + k: 0 for k in loop_trip_counts(np.zeros(L, int), overflow)})
+  out_items = np.zeros((rounds, M, N), np.int64)  # items sent to other devices
+  back_items = np.zeros((rounds, M, N), np.int64)  # outputs returned to other devices
+  other = ~np.eye(N, dtype=bool)  # [dst, src]
+  for r in range(rounds):
+    lo = 0 if r == 0 else first + (r - 1) * overflow
+    C = first if r == 0 else overflow
+    got = np.clip(np.minimum(ends, lo + C) - np.maximum(starts, lo), 0, None)
+    back_items[r] = np.where(other[None, :, :, None], got, 0).sum(axis=(2, 3))
+    out_items[r] = np.where(other[None, :, :, None], got, 0).sum(axis=3).sum(axis=1)
+    if not on_tpu:
+      for e in range(N):
+        for m in range(M):
+          counts = loop_trip_counts(got[m, e].sum(axis=0), C)
+          for k, v in counts.items():
+            key = k if r == 0 else inner + k
+            trips[e * M + m][key] = trips[e * M + m].get(key, 0) + v
+  fwd = out_items * D + back_items * f_out  # [r, m, e]
+  bwd = out_items * f_out + back_items * D  # the transposes: cotangents out, dx back
+  replays = np.where(np.arange(rounds) == 0, 0, 1)[:, None, None]
+  sent = {"fwd": float(fwd.sum(axis=0).max() * b),
+          "fwd_bwd": float((fwd + bwd + replays * out_items * D).sum(axis=0).max() * b)}
+  return Accounting(rounds, 0, trips, sent_bytes=sent)
 
 
 def all_gather(case, on_tpu=False):

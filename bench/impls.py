@@ -48,6 +48,8 @@ class Impl:
 
 IMPLS = {
     "all_to_all": Impl("all_to_all", accounting.all_to_all),
+    # On CPU (no ragged-all-to-all in XLA) this runs the emulation: padded all_to_alls.
+    "ragged_all_to_all": Impl("ragged_all_to_all", accounting.ragged_all_to_all),
     "all_gather": Impl("all_gather", accounting.all_gather),
     "jit_ragged_dot": Impl("ragged_dot", accounting.ragged_dot),
     "jit_masked_scan": Impl("masked_scan", accounting.masked_scan),

@@ -37,7 +37,8 @@ the backward loops of a custom_vjp). A key may also be a path of scopes, outermo
 `a2a_overflow_rounds` 25 and the others 10 (the most specific matching key wins).
 
 Collective bytes (`collective_bytes`). For each all-to-all, all-gather, reduce-scatter,
-all-reduce and collective-permute (also their async `-start` forms), the bytes of its
+all-reduce, collective-permute and ragged-all-to-all (also their async `-start` forms;
+a ragged-all-to-all's wire bytes are an upper bound, see `_wire_bytes`), the bytes of its
 operands and of its result, per device: an all-to-all prints a tuple of N operands and N
 results, an all-gather's result is N times its operand, a reduce-scatter's result is 1/N of
 its operand. Totals are kept per computation (`HloModule.collectives`) so a caller can see
@@ -54,7 +55,7 @@ import jax
 import numpy as np
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce",
-               "collective-permute")
+               "collective-permute", "ragged-all-to-all")
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -295,6 +296,8 @@ def parse_hlo(text):
         c["count"] += 1
         c["operand_bytes"] += operand
         c["result_bytes"] += result
+        if kind == "ragged-all-to-all":  # what may leave: its first operand, the data
+          operand = shape_bytes(types.get(ins.operands[0], "")) if ins.operands else 0
         c["wire_bytes"] += _wire_bytes(kind, operand, result, _group_size(ins.attrs))
       for key, callee in _CALLED_RE.findall(ins.attrs):
         kind_call = {"body": "while", "condition": "cond"}.get(key, "call")

@@ -146,6 +146,8 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         # Every device sends the same slots in every round: device 0's counts serve.
         coll = _counted(measure.collective_bytes, compiled, trips[0])
         approx = bool(coll.pop("loop_counted_once", False) or busiest.get("loop_counted_once"))
+        if acc.sent_bytes and "ragged-all-to-all" in coll:  # sized at run time: the host's
+          coll["ragged-all-to-all"]["wire_bytes"] = acc.sent_bytes[mode]
         wire = sum(c["wire_bytes"] for c in coll.values())
         passes_bytes = 1 if mode == "fwd" else 2  # forward, and the backward's reverse
         bound = case.bound_bytes * passes_bytes

@@ -30,7 +30,7 @@ from moe_shard.experts import Linear, SwiGLU
 from moe_shard.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
 from moe_shard.layer import moe_layer, num_routing_groups
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
-from moe_shard.parallel import moe_all_gather, moe_all_to_all
+from moe_shard.parallel import moe_all_gather, moe_all_to_all, moe_ragged_all_to_all
 from moe_shard.params import MoEParams, init_moe_params, moe_param_shapes, moe_param_specs
 from moe_shard.remat import (CHECKPOINT_NAMES, MOE_DISPATCH_OUT, MOE_DISPATCH_RECV,
                              MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP, MOE_ROUTER_LOGITS)
@@ -74,6 +74,7 @@ __all__ = [
     "moe_masked_scan",
     "moe_param_shapes",
     "moe_param_specs",
+    "moe_ragged_all_to_all",
     "moe_ragged_dot",
     "num_routing_groups",
     "router_z_loss",

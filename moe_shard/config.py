@@ -65,8 +65,9 @@ class MoEConfig:
       "expert_choice" (each expert picks its tokens, `routing.expert_choice_router`), or a
       function `(logits_TE, cfg, *, bias_E=None) -> Routing` (README, "Routers").
     impl: the dispatch: a name of `dispatch.DISPATCHES` ("masked_scan", "ragged_dot",
-      "all_gather", "all_to_all"), "auto" (default; "all_to_all" when a mesh is passed whose
-      expert axis has more than one device, "ragged_dot" otherwise), or a function
+      "all_gather", "all_to_all", "ragged_all_to_all"), "auto" (default; with a mesh whose
+      expert axis has more than one device, "ragged_all_to_all" on TPU and GPU devices and
+      "all_to_all" on CPU; "ragged_dot" otherwise), or a function
       `(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg) -> (y_TD, stats)`.
     capacity_factor: None (default) for dropless routing; a real c > 0 caps each expert at
       `ceil(c * T * K / E)` (token, slot) items per call, T the tokens of the call. Items
@@ -75,6 +76,10 @@ class MoEConfig:
       group, c = 1.0 when None.
     chunk_size: `chunk_size` of `moe_all_to_all`: None (default), an int C (stored as
       (C, C)), or a pair (C_first, C_overflow).
+    recv_capacity: receive-buffer rows per device of the "ragged_all_to_all" dispatch
+      (`moe_ragged_all_to_all`'s `capacity`): None (default; round 0 1.25 times the
+      expected load T_dev*K rounded up to a multiple of 8, later rounds a quarter of that)
+      or an int >= 1 (every round). More to receive than fits takes more rounds, never drops.
     gmm_impl: grouped-matmul backend of the sorting dispatches (`grouped_matmul`'s `impl`):
       "auto" (default; by the platform compiled for, `grouped_matmul.PLATFORM_BACKENDS`),
       "ragged_dot" or "tiled".
@@ -116,6 +121,7 @@ class MoEConfig:
   impl: str | Callable = "auto"
   capacity_factor: float | None = None
   chunk_size: int | tuple[int, int] | None = None
+  recv_capacity: int | None = None
   gmm_impl: str = "auto"
   num_shared_experts: int = 0
   shared_d_ff: int | None = None
@@ -154,6 +160,8 @@ class MoEConfig:
       put("capacity_factor", _checks.real_field(fn, "capacity_factor", self.capacity_factor,
                                                 positive=True))
     put("chunk_size", _checks.chunk_size_field(fn, self.chunk_size))
+    if self.recv_capacity is not None:
+      put("recv_capacity", _checks.int_field(fn, "recv_capacity", self.recv_capacity, 1))
     put("num_shared_experts",
         _checks.int_field(fn, "num_shared_experts", self.num_shared_experts, 0))
     if self.shared_d_ff is not None:

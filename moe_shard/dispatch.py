@@ -21,6 +21,8 @@ import dataclasses
 import functools
 from typing import Callable
 
+import jax
+
 from moe_shard import local, parallel
 from moe_shard.sharding import auto, axis_size
 
@@ -53,6 +55,14 @@ def all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
                                  return_stats=True, gmm_impl=cfg.gmm_impl)
 
 
+def ragged_all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+  """`moe_ragged_all_to_all` over `cfg.expert_axis` (receive buffer `cfg.recv_capacity`);
+  stats: rounds, items sent and received, invalid ids."""
+  return parallel.moe_ragged_all_to_all(
+      x_TD, ffn, experts_TK, weights_TK, mesh=mesh, expert_axis=cfg.expert_axis,
+      capacity=cfg.recv_capacity, return_stats=True, gmm_impl=cfg.gmm_impl)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
   """An entry of the dispatch table.
@@ -71,7 +81,11 @@ DISPATCHES = {
     "ragged_dot": Dispatch(ragged_dot),
     "all_gather": Dispatch(all_gather, needs_mesh=True),
     "all_to_all": Dispatch(all_to_all, needs_mesh=True),
+    "ragged_all_to_all": Dispatch(ragged_all_to_all, needs_mesh=True),
 }
+
+# Where "auto" takes the ragged dispatch: platforms whose XLA has ragged-all-to-all.
+RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
 
 def choose_impl(cfg, mesh=None):
@@ -83,14 +97,26 @@ def choose_impl(cfg, mesh=None):
 
   Returns:
     `cfg.impl` unless it is "auto" (a name of `DISPATCHES`, or the user's function); for
-    "auto", "all_to_all" when the mesh's `cfg.expert_axis` has more than one device, else
-    "ragged_dot".
+    "auto", when the mesh's `cfg.expert_axis` has more than one device,
+    "ragged_all_to_all" if the mesh's devices are TPUs or GPUs (XLA has ragged-all-to-all
+    there) and "all_to_all" otherwise (CPU); "ragged_dot" without such a mesh. The
+    platform is the mesh's devices' (`jax.default_backend()` says "cpu" on a CPU host
+    compiling ahead of time for TPU devices).
   """
   if cfg.impl != "auto":
     return cfg.impl
   if mesh is not None and axis_size(mesh, cfg.expert_axis) > 1:
-    return "all_to_all"
+    return "ragged_all_to_all" if _platform(mesh) in RAGGED_PLATFORMS else "all_to_all"
   return "ragged_dot"
+
+
+def _platform(mesh):
+  """The platform of a mesh's devices ("tpu", "cpu", ...); for an AbstractMesh, which has no
+  devices, the default backend's."""
+  try:
+    return mesh.devices.flat[0].platform.lower()
+  except (AttributeError, IndexError, TypeError, ValueError):
+    return jax.default_backend()
 
 
 def get_dispatch(impl):

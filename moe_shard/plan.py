@@ -151,3 +151,73 @@ def round_counts(count_N, chunks, rounds):
   start_R = jnp.cumsum(slots_R) - slots_R
   left_RN = count_N.astype(jnp.int32)[..., None, :] - start_R[:, None]
   return jnp.clip(left_RN, 0, slots_R[:, None]), slots_R
+
+
+# --------------------------------------------------------------------------- ragged_all_to_all
+# The ragged dispatch sends each (source, destination, local expert) queue exactly. A device's
+# receive order is expert-major, source-minor: the queues of local expert 0 from sources
+# 0..N-1, then those of expert 1, and so on, so rows arrive grouped by local expert. Round r
+# moves the window [start_r, start_r + C_r) of every device's receive order into its C_r-row
+# buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
+
+RECV_FACTOR = 1.25  # default receive buffer: this times the expected load T*K, in rows
+
+
+def default_capacity(tokens, k, capacity=None):
+  """Rows of the ragged dispatch's receive buffers per device: round 0's, then the others'.
+
+  Args:
+    tokens: T tokens per device (static).
+    k: K slots per token.
+    capacity: None (default): round 0 takes `RECV_FACTOR` (1.25) times the expected load
+      T*K (every device receives T*K items on average), rounded up to a multiple of 8, at
+      least 8; the overflow rounds a quarter of that, rounded up to a multiple of 8 (so a
+      round that never runs under uniform routing reserves little memory). An int C >= 1:
+      C rows in every round.
+
+  Returns:
+    `Chunks(first, overflow)`: the rows of round 0 and of each later round.
+
+  Raises:
+    TypeError, ValueError: a `capacity` that is not None or an int >= 1.
+  """
+  if capacity is not None:
+    c = _checks.int_field("moe_ragged_all_to_all", "capacity", capacity, 1)
+    return Chunks(c, c)
+  first = max(8, 8 * math.ceil(RECV_FACTOR * tokens * k / 8))
+  return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
+
+
+def receive_starts(recv_SL):
+  """Where each (source, local expert) queue begins in this device's receive order.
+
+  Args:
+    recv_SL: int[S, L] items source s sends to local expert l of this device.
+
+  Returns:
+    i32[S, L]: exclusive prefix sums in expert-major, source-minor order.
+  """
+  flat = recv_SL.T.reshape(-1).astype(jnp.int32)  # [L * S], expert-major
+  return (jnp.cumsum(flat) - flat).reshape(recv_SL.shape[::-1]).T
+
+
+def window(start, count, lo, size):
+  """The part of a queue that falls in the window [lo, lo + size) of a receive order.
+
+  A queue of `count` items at positions [start, start + count) of its receiver's order
+  sends its items [skip, skip + n) in this round, written at `at` of the receive buffer.
+  The rounds' windows tile the receive order, so every item falls in exactly one.
+
+  Args:
+    start, count: int arrays of one shape (traced ok).
+    lo: first position of the window (traced ok).
+    size: C, its length.
+
+  Returns:
+    (skip, n, at), i32 arrays of that shape; n == 0 where the window misses the queue
+    (then `at` is clipped into [0, size]).
+  """
+  first = jnp.clip(lo - start, 0, count)
+  last = jnp.clip(lo + size - start, 0, count)
+  at = jnp.clip(start + first - lo, 0, size)
+  return first.astype(jnp.int32), (last - first).astype(jnp.int32), at.astype(jnp.int32)

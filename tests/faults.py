@@ -63,7 +63,7 @@ FAULTS = {
         ("tests/test_layer_oracle.py", "-k", "capacity")),
     "D": Fault(
         "all_to_all stops one overflow round early",
-        (("moe_shard/parallel.py", "return carry[0] < rounds",
+        (("moe_shard/parallel/all_to_all.py", "return carry[0] < rounds",
           "return carry[0] < rounds - 1"),),
         ("tests/test_layer_oracle.py", "-k", "all_to_all")),
     "E": Fault(

@@ -91,7 +91,8 @@ BAD_CONFIGS = [
     (dict(expert_type="relu"), ValueError,
      "MoEConfig: expert_type must be one of ('swiglu', 'linear') (got 'relu')"),
     (dict(impl="fast"), ValueError, "MoEConfig: impl must be one of ('auto', 'masked_scan', "
-     "'ragged_dot', 'all_gather', 'all_to_all') or a callable (got 'fast')"),
+     "'ragged_dot', 'all_gather', 'all_to_all', 'ragged_all_to_all') or a callable "
+     "(got 'fast')"),
     (dict(gmm_impl="dense"), ValueError,
      "MoEConfig: gmm_impl must be one of ('auto', 'megablox', 'ragged_dot', 'tiled') (got 'dense')"),
     (dict(expert_type="linear"), ValueError,

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_shard.plan import Chunks, default_chunks, round_counts, round_slots, send_plan
+from moe_shard.plan import (Chunks, default_capacity, default_chunks, receive_starts,
+                            round_counts, round_slots, send_plan, window)
 
 # --------------------------------------------------------------------------- default_chunks
 
@@ -267,3 +268,80 @@ def test_round_counts_per_source_matches_round_slots():
 def test_round_counts_rejects(count, rounds, err, match):
   with pytest.raises(err, match=match):
     round_counts(count, Chunks(8, 8), rounds)
+
+
+# --------------------------------------------------------------------------- ragged dispatch
+
+
+@pytest.mark.parametrize("tokens, k, capacity, want", [
+    # 1.25 * 10 = 12.5 -> up to a multiple of 8: 16; overflow 16 / 4 = 4 -> at least 8.
+    (5, 2, None, Chunks(16, 8)),
+    # 1.25 * 128 = 160, already a multiple of 8; overflow 160 / 4 = 40.
+    (64, 2, None, Chunks(160, 40)),
+    # The benchmark's T_dev = 32768 / 8, K = 2: 10240; overflow 2560.
+    (4096, 2, None, Chunks(10240, 2560)),
+    (1, 1, None, Chunks(8, 8)),  # 1.25 -> the floor of 8 rows
+    (0, 2, None, Chunks(8, 8)),
+    (40, 2, 3, Chunks(3, 3)),  # an explicit capacity: every round
+])
+def test_default_capacity(tokens, k, capacity, want):
+  assert default_capacity(tokens, k, capacity) == want
+
+
+@pytest.mark.parametrize("capacity, err", [(0, ValueError), (-2, ValueError),
+                                           (1.5, TypeError), (True, TypeError)])
+def test_default_capacity_rejects(capacity, err):
+  with pytest.raises(err, match=re.escape(
+      "moe_ragged_all_to_all: capacity must be ")):
+    default_capacity(40, 2, capacity)
+
+
+def test_receive_starts_by_hand():
+  # recv[s, l]: 3 sources, 2 local experts. Expert-major order: (s0,l0)=2, (s1,l0)=0,
+  # (s2,l0)=1, then (s0,l1)=4, (s1,l1)=3, (s2,l1)=5.
+  recv_SL = jnp.array([[2, 4], [0, 3], [1, 5]])
+  # Starts: l0: 0, 2, 2; l1: 3, 7, 10.
+  np.testing.assert_array_equal(receive_starts(recv_SL), [[0, 3], [2, 7], [2, 10]])
+
+
+@pytest.mark.parametrize("start, count, lo, size, want", [
+    # A queue at [3, 8) and the window [0, 4): its first item, written at row 3.
+    (3, 5, 0, 4, (0, 1, 3)),
+    # The window [4, 8): items 1..4 of the queue, written from row 0.
+    (3, 5, 4, 4, (1, 4, 0)),
+    # The window [8, 12): nothing left (n = 0), `at` clipped to 0.
+    (3, 5, 8, 4, (5, 0, 0)),
+    # A queue wholly past the window [0, 2): nothing, `at` clipped to the size.
+    (6, 2, 0, 2, (0, 0, 2)),
+    # An empty queue.
+    (0, 0, 0, 4, (0, 0, 0)),
+])
+def test_window_by_hand(start, count, lo, size, want):
+  got = window(jnp.int32(start), jnp.int32(count), jnp.int32(lo), size)
+  assert tuple(int(v) for v in got) == want
+
+
+@hypothesis.settings(max_examples=15)
+@hypothesis.given(st.lists(st.lists(st.integers(0, 6), min_size=3, max_size=3), min_size=1,
+                           max_size=4), st.integers(1, 7))
+def test_windows_receive_every_item_once_grouped_by_expert(recv, capacity):
+  # The rounds' windows cover each (source, expert) queue exactly once; the rows of each
+  # round's buffer are grouped by expert, in the order of the receive layout.
+  recv_SL = np.array(recv).T  # [S=3, L]
+  start_SL = np.asarray(receive_starts(jnp.asarray(recv_SL)))
+  total = int(recv_SL.sum())
+  rounds = max(1, -(-total // capacity))
+  seen = np.zeros(recv_SL.shape, int)
+  for r in range(rounds):
+    skip, n, at = (np.asarray(a) for a in window(jnp.asarray(start_SL), jnp.asarray(recv_SL),
+                                                 r * capacity, capacity))
+    assert np.all(n >= 0) and np.all(at + n <= capacity)
+    np.testing.assert_array_equal(skip, seen)  # each round resumes where the last stopped
+    seen += n
+    rows = np.full(capacity, -1)
+    for s, l in zip(*np.nonzero(n)):
+      assert np.all(rows[at[s, l]:at[s, l] + n[s, l]] == -1)  # no overlap
+      rows[at[s, l]:at[s, l] + n[s, l]] = l
+    filled = rows[:int(n.sum())]
+    assert np.all(filled >= 0) and np.all(np.diff(filled) >= 0)  # packed, expert-major
+  np.testing.assert_array_equal(seen, recv_SL)

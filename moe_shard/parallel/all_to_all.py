@@ -1,15 +1,4 @@
-"""Expert parallelism with `jax.shard_map`: the only module that issues collectives.
-
-Tokens are split over every mesh axis; expert parameters over the expert axis only
-(replicated over the others, e.g. "data"). Each group of devices along the expert axis
-serves its own tokens with the E experts split L = E / N per device.
-
-  * `moe_all_gather`: all_gather tokens and routing along the expert axis, each device runs
-    its L experts on the items routed to them, a reduce-scatter returns the outputs.
-  * `moe_all_to_all`: each device sorts its items by destination device and sends them in
-    rounds of fixed-size `lax.all_to_all`s; dropless, with the number of rounds set on device
-    by the busiest (source, destination) pair.
-"""
+"""`moe_all_to_all`: the dropless chunked all_to_all dispatch, in rounds."""
 
 from __future__ import annotations
 
@@ -25,129 +14,12 @@ from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.balance import expert_load
 from moe_shard.remat import MOE_DISPATCH_RECV
-from moe_shard.sharding import (EXPERT, axis_size, check_mesh, expert_axes, place,
-                                resolve_mesh, token_spec, trim, vary_over, zeros_varying)
+from moe_shard.sharding import (EXPERT, axis_size, resolve_mesh, trim, vary_over,
+                                zeros_varying)
+
+from moe_shard.parallel.common import _prepare
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Static facts about a call: mesh, axes and sizes."""
-
-  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
-  expert_axis: str | tuple[str, ...]  # a tuple: experts split over the product, in order
-  num_experts: int  # E
-  tokens: int  # T before padding
-  padded: int  # T after padding to a multiple of the device count
-
-  @property
-  def all_axes(self):
-    return tuple(self.mesh.axis_names)
-
-  @property
-  def other_axes(self):
-    return tuple(a for a in self.mesh.axis_names if a not in expert_axes(self.expert_axis))
-
-  @property
-  def n(self):
-    return axis_size(self.mesh, self.expert_axis)
-
-  @property
-  def token_spec(self):
-    return token_spec(self.mesh)
-
-
-def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
-  """Checks, pads T to a multiple of the device count and places the inputs on the mesh."""
-  x_TD, ffn, E, experts_TK, weights_TK = local.check_moe_inputs(fn, x_TD, w, experts, weights)
-  check_mesh(fn, mesh, expert_axis, E)
-  T = x_TD.shape[0]
-  pad = -T % mesh.size
-  if pad:  # padding tokens route nowhere (id -1) and are trimmed from the output
-    # Pad replicated arrays: a T that does not divide cannot be split over the mesh.
-    x_TD, experts_TK, weights_TK = (place(a, mesh, P())
-                                    for a in (x_TD, experts_TK, weights_TK))
-    x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
-    experts_TK = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1)
-    weights_TK = jnp.pad(weights_TK, ((0, pad), (0, 0)))
-  lay = _Layout(mesh, expert_axis, E, T, T + pad)
-  x_TD, experts_TK, weights_TK = (place(a, mesh, lay.token_spec)
-                                  for a in (x_TD, experts_TK, weights_TK))
-  ffn = jax.tree.map(lambda leaf: place(leaf, mesh, P(expert_axis)), ffn)
-  return lay, x_TD, ffn, experts_TK, weights_TK
-
-
-# --------------------------------------------------------------------------- all_gather
-
-
-def moe_all_gather(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT,
-                   gmm_impl="auto"):
-  """Expert-parallel MoE: all_gather tokens, compute local experts, reduce-scatter.
-
-  Each device gathers the tokens, expert ids and weights of the N devices on its expert
-  axis, runs its L = E / N experts on the items routed to them (sort + grouped matmul), and
-  a reduce-scatter sums the N partial outputs of each token on the device that owns it.
-  Moves about (N - 1) * T * (D + F) elements per device: best when K >= N.
-
-  Args:
-    x_TD: f[T, D] tokens (global shape; split over every mesh axis inside).
-    w: f[E, D, F], or an expert-FFN pytree with the expert axis first (split over
-      `expert_axis`, replicated over the other axes).
-    experts: int[T] or int[T, K] expert ids; ids outside [0, E) contribute zero.
-    weights: f[T, K] combine weights (the shape of `experts`), or None for ones (default).
-    mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types. Inputs are
-      placed (resharded) on it as needed. An `AbstractMesh` works under `jax.jit` with
-      inputs already on the mesh, and under `jax.eval_shape`. None (default): the mesh in
-      scope (`jax.set_mesh(mesh)`); without one, ValueError.
-    expert_axis: name of the mesh axis experts are split over (default "expert"), or a
-      tuple of names: experts split over the product of their sizes, in the order given.
-    gmm_impl: `grouped_matmul` implementation (default "auto").
-
-  Returns:
-    y_TF: f[T, F] in the dtype of `x_TD`, split over the mesh like the tokens.
-
-  Raises:
-    TypeError, ValueError: bad arguments, no mesh (none given and none in scope), or E not
-      divisible by the expert-axis size.
-  """
-  expert_axis = _checks.expert_axis_field("moe_all_gather", expert_axis)
-  mesh = resolve_mesh("moe_all_gather", mesh, expert_axis, required=True)
-  return _all_gather_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
-                         gmm_impl=gmm_impl)
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "gmm_impl"))
-def _all_gather_jit(x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl):
-  # Jitted so that a call outside jit does not run the shard_map body op by op.
-  lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
-      "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis)
-  body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
-  tok = lay.token_spec
-  y_TF = jax.shard_map(body, mesh=mesh,
-                       in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
-                       out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
-  return trim(y_TF, mesh, lay.tokens)
-
-
-def _all_gather_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, gmm_impl):
-  # Per-device sizes: T tokens of this device, L = E / N local experts.
-  axis = lay.expert_axis
-  L = lay.num_experts // lay.n
-  ffn_L = vary_over(ffn_L, lay.other_axes)
-  # Every device receives the tokens, ids and weights of all N devices on its expert axis.
-  with jax.named_scope("all_gather"):
-    x_MD, experts_MK, weights_MK = (jax.lax.all_gather(a, axis, axis=0, tiled=True)
-                                    for a in (x_TD, experts_TK, weights_TK))
-    x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
-  with jax.named_scope("local_experts"):
-    local_MK = experts_MK - jax.lax.axis_index(axis) * L  # outside [0, L): not ours, zero
-    y_MF = local.ragged_combine(x_MD, ffn_L, L, local_MK, weights_MK, gmm_impl)
-  # Each device receives, summed over the N devices, the partial outputs of its own tokens.
-  with jax.named_scope("reduce_scatter"):
-    y_TF = jax.lax.psum_scatter(y_MF.astype(x_TD.dtype), axis, scatter_dimension=0,
-                                tiled=True)
-  return y_TF
 
 
 # --------------------------------------------------------------------------- all_to_all

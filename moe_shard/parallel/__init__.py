@@ -1,0 +1,26 @@
+"""Expert parallelism with `jax.shard_map`: the only package that issues collectives.
+
+Tokens are split over every mesh axis; expert parameters over the expert axis only
+(replicated over the others, e.g. "data"). Each group of devices along the expert axis
+serves its own tokens with the E experts split L = E / N per device.
+
+  * `moe_all_gather`: all_gather tokens and routing along the expert axis, each device runs
+    its L experts on the items routed to them, a reduce-scatter returns the outputs.
+  * `moe_all_to_all`: each device sorts its items by destination device and sends them in
+    rounds of fixed-size `lax.all_to_all`s; dropless, with the number of rounds set on device
+    by the busiest (source, destination) pair.
+  * `moe_ragged_all_to_all`: `lax.ragged_all_to_all` sends each (source, destination, expert)
+    queue exactly (an emulation from padded `all_to_all`s on CPU); rounds only when a
+    receive buffer overflows.
+
+Modules: `common.py` (the layout of a call and its input checks and placement),
+`all_gather.py`, `all_to_all.py`, `ragged.py` (one dispatch each).
+"""
+
+from moe_shard.parallel.all_gather import moe_all_gather
+from moe_shard.parallel.all_to_all import OVERFLOW_SCOPE, moe_all_to_all
+from moe_shard.parallel.ragged import (RAGGED_PLATFORMS, RAGGED_SCOPE, moe_ragged_all_to_all,
+                                       ragged_all_to_all_emulated)
+
+__all__ = ["OVERFLOW_SCOPE", "RAGGED_PLATFORMS", "RAGGED_SCOPE", "moe_all_gather",
+           "moe_all_to_all", "moe_ragged_all_to_all", "ragged_all_to_all_emulated"]

@@ -1,0 +1,60 @@
+"""The layout of an expert-parallel call: its static facts, input checks and placement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe_shard import local
+from moe_shard.sharding import (axis_size, check_mesh, expert_axes, place, token_spec)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Static facts about a call: mesh, axes and sizes."""
+
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+  expert_axis: str | tuple[str, ...]  # a tuple: experts split over the product, in order
+  num_experts: int  # E
+  tokens: int  # T before padding
+  padded: int  # T after padding to a multiple of the device count
+
+  @property
+  def all_axes(self):
+    return tuple(self.mesh.axis_names)
+
+  @property
+  def other_axes(self):
+    return tuple(a for a in self.mesh.axis_names if a not in expert_axes(self.expert_axis))
+
+  @property
+  def n(self):
+    return axis_size(self.mesh, self.expert_axis)
+
+  @property
+  def token_spec(self):
+    return token_spec(self.mesh)
+
+
+def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
+  """Checks, pads T to a multiple of the device count and places the inputs on the mesh."""
+  x_TD, ffn, E, experts_TK, weights_TK = local.check_moe_inputs(fn, x_TD, w, experts, weights)
+  check_mesh(fn, mesh, expert_axis, E)
+  T = x_TD.shape[0]
+  pad = -T % mesh.size
+  if pad:  # padding tokens route nowhere (id -1) and are trimmed from the output
+    # Pad replicated arrays: a T that does not divide cannot be split over the mesh.
+    x_TD, experts_TK, weights_TK = (place(a, mesh, P())
+                                    for a in (x_TD, experts_TK, weights_TK))
+    x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
+    experts_TK = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1)
+    weights_TK = jnp.pad(weights_TK, ((0, pad), (0, 0)))
+  lay = _Layout(mesh, expert_axis, E, T, T + pad)
+  x_TD, experts_TK, weights_TK = (place(a, mesh, lay.token_spec)
+                                  for a in (x_TD, experts_TK, weights_TK))
+  ffn = jax.tree.map(lambda leaf: place(leaf, mesh, P(expert_axis)), ffn)
+  return lay, x_TD, ffn, experts_TK, weights_TK

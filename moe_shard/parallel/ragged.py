@@ -1,0 +1,328 @@
+"""`moe_ragged_all_to_all`: exact bytes with `lax.ragged_all_to_all` (emulated on CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moe_shard import _checks, local, plan as plan_lib
+from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.sharding import (EXPERT, check_mesh, trim, vary_over, zeros_varying)
+
+from moe_shard.parallel.common import _prepare
+
+
+# --------------------------------------------------------------------------- ragged_all_to_all
+
+RAGGED_SCOPE = "ragged_overflow_rounds"
+# Platforms whose XLA implements the ragged-all-to-all opcode; others (CPU) run an emulation.
+RAGGED_PLATFORMS = ("tpu", "cuda", "rocm")
+
+
+def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name, rows_per_peer=None):
+  """`lax.ragged_all_to_all`'s semantics from one `lax.all_to_all` of padded buffers.
+
+  Each device packs the slices it sends to device n (slices n*J .. n*J + J - 1, J slices
+  per device) one after another into row n of a `[N, rows_per_peer, ...]` buffer; one
+  `all_to_all` moves the buffers and the receiver writes each slice at its output offset
+  (sent along with a small `all_to_all`, as the primitive's own pseudocode does):
+
+      send[n, p] = operand[input_offsets[n*J + j] + p - sum(send_sizes[n*J : n*J + j])]
+      result[output_offsets_[s*J + j] + q] = recv[s, q + sum(recv_sizes[s*J : s*J + j])]
+
+  for p, q inside slice j. Padded traffic: N * rows_per_peer rows per device, whatever the
+  sizes (for CPU, where XLA has no ragged-all-to-all).
+
+  Args:
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name: as
+      in `lax.ragged_all_to_all`.
+    rows_per_peer: static bound on the rows one device sends another (the sum of its J
+      send sizes for that peer); rows past it are not sent. Default None: J times the
+      smaller of the operand's and the output's rows, which any in-range call meets.
+
+  Returns:
+    `output` with the received slices written in.
+  """
+  N = jax.lax.axis_size(axis_name)
+  J = input_offsets.shape[0] // N
+  if rows_per_peer is None:
+    rows_per_peer = J * min(operand.shape[0], output.shape[0])
+  p_P = jnp.arange(rows_per_peer, dtype=jnp.int32)
+
+  def unpack(sizes_NJ, offsets_NJ):
+    # Slice j of each packed row p, and the row's position in that slice's own numbering.
+    end_NJ = jnp.cumsum(sizes_NJ, axis=1)
+    j_NP = jnp.sum(p_P[None, None, :] >= end_NJ[:, :, None], axis=1)
+    live_NP = j_NP < J
+    j_NP = jnp.minimum(j_NP, J - 1)
+    skip_NP = jnp.take_along_axis(end_NJ - sizes_NJ, j_NP, axis=1)
+    return live_NP, jnp.take_along_axis(offsets_NJ, j_NP, axis=1) + p_P - skip_NP
+
+  live_NP, row_NP = unpack(send_sizes.reshape(N, J), input_offsets.reshape(N, J))
+  row_NP = jnp.clip(row_NP, 0, operand.shape[0] - 1)
+  mask = live_NP.reshape(live_NP.shape + (1,) * (operand.ndim - 1))
+  send_NP = jnp.where(mask, operand[row_NP], 0)
+  # Each device sends row n of the packed buffer to device n, and receives row s of each
+  # source s: its slices for this device, packed. Their offsets here travel the same way.
+  recv_NP = jax.lax.all_to_all(send_NP, axis_name, 0, 0, tiled=True)
+  offsets_NJ = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True).reshape(N, J)
+  live_NP, dst_NP = unpack(recv_sizes.reshape(N, J), offsets_NJ)
+  dst_NP = jnp.where(live_NP, dst_NP, output.shape[0])  # past the end: dropped
+  return output.at[dst_NP.reshape(-1)].set(
+      recv_NP.reshape((-1,) + operand.shape[1:]).astype(output.dtype), mode="drop")
+
+
+def _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+              axis, rows_per_peer):
+  """`lax.ragged_all_to_all` where XLA has it, `ragged_all_to_all_emulated` elsewhere.
+
+  Chosen by the platform compiled for (`lax.platform_dependent`), so an ahead-of-time TPU
+  compile on a CPU host holds the real primitive and no emulation.
+  """
+  def native(*args):
+    return jax.lax.ragged_all_to_all(*args, axis_name=axis)
+
+  def emulated(*args):
+    return ragged_all_to_all_emulated(*args, axis_name=axis, rows_per_peer=rows_per_peer)
+
+  return jax.lax.platform_dependent(
+      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+      default=emulated, **{p: native for p in RAGGED_PLATFORMS})
+
+
+def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
+                          capacity=None, return_stats=False, gmm_impl="auto"):
+  """Expert-parallel MoE: dropless `ragged_all_to_all` dispatch, compute, and return.
+
+  Each device sorts its T*K (token, slot) items by expert (so by destination device, then
+  local expert). A small `all_to_all` tells every device how many items each source sends
+  each of its L = E / N local experts; each device lays out what it will receive
+  expert-major (all sources' items for local expert 0, then expert 1, ...). Round 0 moves
+  positions [0, C) of every device's layout into its C-row receive buffer, each later round
+  the next C_overflow positions, each with one
+  `ragged_all_to_all` that sends each (source, destination, expert) queue exactly: no
+  padding on the wire. The rows arrive grouped by local expert, the grouped matmul runs on
+  them, and a second `ragged_all_to_all` returns the outputs to the sorted positions they
+  came from; the combine with the weights follows the last round. Round 0 runs outside any
+  loop (JAX differentiates it, through the primitive's own transpose); while some device
+  has more to receive, a `while_loop` runs further rounds (count from a `pmax`, no host
+  sync), differentiated by a `custom_vjp` that replays each round's exchange reversed.
+
+  On platforms whose XLA has no ragged-all-to-all (CPU), the exchange is an emulation with
+  the same semantics built from `lax.all_to_all` of padded buffers
+  (`ragged_all_to_all_emulated`): the same results, but padded traffic.
+
+  Args:
+    x_TD: f[T, D] tokens (global shape; split over every mesh axis inside).
+    w: f[E, D, F], or an expert-FFN pytree with the expert axis first (split over
+      `expert_axis`, replicated over the other axes).
+    experts: int[T] or int[T, K] expert ids; ids outside [0, E) contribute zero.
+    weights: f[T, K] combine weights (the shape of `experts`), or None for ones (default).
+    mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types.
+    expert_axis: name of the mesh axis experts are split over (default "expert").
+    capacity: rows of the receive buffer per device and round. None (default): round 0
+      takes C = 1.25 times the expected load T_dev*K, rounded up to a multiple of 8, so
+      uniform routing takes one round, and later rounds C_overflow = C/4 rounded up to a
+      multiple of 8 (`plan.default_capacity`); an int C >= 1: C in every round.
+    return_stats: also return a dict of dispatch statistics (default False).
+    gmm_impl: `grouped_matmul` implementation (default "auto").
+
+  Returns:
+    y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats
+    holds `rounds` (i32[]), `sent_items` and `received_items` (i32[devices]: valid items
+    each device sends and receives, itself included), `expert_load` (i32[E]),
+    `invalid_ids` (i32[]: ids outside [0, E)), `capacity` and `capacity_overflow` (ints:
+    C and C_overflow).
+
+  Raises:
+    TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
+  """
+  fn = "moe_ragged_all_to_all"
+  check_mesh(fn, mesh, expert_axis)
+  if capacity is not None:
+    capacity = _checks.int_field(fn, "capacity", capacity, 1)
+  out = _ragged_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
+                    capacity=capacity, return_stats=bool(return_stats), gmm_impl=gmm_impl)
+  if not return_stats:
+    return out
+  y_TF, stats = out
+  T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
+  rows = plan_lib.default_capacity(-(-T // mesh.size), K, capacity)
+  return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.overflow)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "capacity",
+                                             "return_stats", "gmm_impl"))
+def _ragged_jit(x_TD, w, experts, weights, *, mesh, expert_axis, capacity, return_stats,
+                gmm_impl):
+  lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
+      "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis)
+  K = experts_TK.shape[1]
+  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, capacity)
+  body = functools.partial(_ragged_body, lay=lay, rows=rows, gmm_impl=gmm_impl)
+  tok = lay.token_spec
+  stats_specs = dict(rounds=P(), sent_items=tok, received_items=tok, expert_load=P(),
+                     invalid_ids=P())
+  y_TF, stats = jax.shard_map(
+      body, mesh=mesh,
+      in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
+      out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
+  y_TF = trim(y_TF, mesh, lay.tokens)
+  if not return_stats:
+    return y_TF
+  stats["invalid_ids"] = stats["invalid_ids"] - (lay.padded - lay.tokens) * K
+  return y_TF, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ragged:
+  """Static configuration of one ragged dispatch (hashable: a custom_vjp nondiff arg)."""
+
+  axis: str
+  local_experts: int  # L
+  rows: plan_lib.Chunks  # receive-buffer rows of round 0, and of each later round
+  gmm_impl: str
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Queues:
+  """The (destination, expert) queues of one device, as sender and as receiver.
+
+  Attributes:
+    offset_NL: i32[N, L] sorted position of the queue this device sends expert l of n.
+    count_NL: i32[N, L] its length.
+    start_NL: i32[N, L] where it begins in device n's receive order.
+    from_SL: i32[S, L] sorted position, at source s, of the queue it sends this device.
+    recv_SL: i32[S, L] its length.
+    rstart_SL: i32[S, L] where it begins in this device's receive order.
+  """
+
+  offset_NL: jax.Array
+  count_NL: jax.Array
+  start_NL: jax.Array
+  from_SL: jax.Array
+  recv_SL: jax.Array
+  rstart_SL: jax.Array
+
+
+def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
+  # Per-device sizes: T tokens of this device, K slots, I = T*K items, L local experts,
+  # N (= S) devices on the expert axis, C rows of a receive buffer.
+  axis, N = lay.expert_axis, lay.n
+  cfg = _Ragged(axis, lay.num_experts // N, rows, gmm_impl)
+  T, K = experts_TK.shape
+  with jax.named_scope("plan"):
+    order_I, load_E, valid_I = local.sort_by_expert(experts_TK.reshape(-1), lay.num_experts)
+    count_NL = load_E.reshape(N, cfg.local_experts)
+    offset_NL = (jnp.cumsum(load_E) - load_E).reshape(N, -1).astype(jnp.int32)
+    # Each device sends each destination its queue lengths and sorted positions for that
+    # destination's experts, and receives those of every source for its own experts.
+    from_SL, recv_SL = jax.lax.all_to_all(jnp.stack([offset_NL, count_NL]), axis, 1, 1,
+                                          tiled=True)
+    rstart_SL = plan_lib.receive_starts(recv_SL)
+    # ... and tells each source where its queues begin in this device's receive order.
+    start_NL = jax.lax.all_to_all(rstart_SL, axis, 0, 0, tiled=True)
+    q = _Queues(offset_NL, count_NL, start_NL, from_SL, recv_SL, rstart_SL)
+    # Every device runs as many rounds as the fullest receive order on the mesh needs.
+    received = jnp.sum(recv_SL)
+    rounds = rows.rounds(jax.lax.pmax(received, lay.all_axes))
+  ffn_L = vary_over(ffn_L, lay.other_axes)
+  with jax.named_scope("permute"):
+    x_ID = x_TD[order_I // K]  # sorted by (destination, expert); invalid items last
+  y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0, rows.first)
+  y_IF = y_IF + _ragged_overflow(cfg, x_ID, ffn_L, q, rounds)
+  with jax.named_scope("combine"):
+    y_TKF = y_IF[local.inverse_permutation(order_I)].reshape(T, K, -1)
+    weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)
+    y_TF = jnp.einsum("tk,tkf->tf", weights_TK, y_TKF.astype(jnp.float32))
+  stats = dict(
+      rounds=rounds.astype(jnp.int32),
+      sent_items=jnp.sum(count_NL)[None].astype(jnp.int32),
+      received_items=received[None].astype(jnp.int32),
+      expert_load=jax.lax.psum(load_E, lay.all_axes),
+      invalid_ids=jax.lax.psum(jnp.sum(~valid_I).astype(jnp.int32), lay.all_axes),
+  )
+  return y_TF.astype(x_TD.dtype), stats
+
+
+def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
+  """One round: window [lo, lo + C) of every receive order, there and back.
+
+  Args:
+    cfg: `_Ragged`.
+    x_ID: f[I, D] this device's items sorted by (destination, expert).
+    ffn_L: the expert FFN of this device's L experts.
+    q: `_Queues`.
+    lo: the window's first position (traced ok).
+    C: its rows (static).
+    y_IF: f[I, F] to write the returned rows into (default None: zeros).
+
+  Returns:
+    y_IF with this round's outputs written at their items' sorted positions.
+  """
+  I = x_ID.shape[0]
+  skip_NL, send_NL, at_NL = plan_lib.window(q.start_NL, q.count_NL, lo, C)
+  rskip_SL, recv_SL, rat_SL = plan_lib.window(q.rstart_SL, q.recv_SL, lo, C)
+  flat = lambda a: a.reshape(-1)
+  rows = min(C, I)  # the most one device sends another in a round, either way
+  exchange = functools.partial(_exchange, axis=cfg.axis, rows_per_peer=rows)
+  # Each device sends each (destination, expert) queue's part in this window, exactly, to
+  # its place in the destination's buffer; rows arrive grouped by local expert.
+  with jax.named_scope("dispatch"):
+    recv_CD = exchange(x_ID, zeros_varying((C, x_ID.shape[1]), x_ID.dtype, x_ID),
+                       flat(q.offset_NL + skip_NL), flat(send_NL), flat(at_NL),
+                       flat(recv_SL))
+  with jax.named_scope("local_experts"):
+    matmul = functools.partial(grouped_matmul, group_sizes_G=jnp.sum(recv_SL, axis=0),
+                               impl=cfg.gmm_impl, preferred_element_type=jnp.float32)
+    out_CF = ffn_L(recv_CD, matmul).astype(x_ID.dtype)  # rows past the received: zeros
+  # Each device returns the outputs to the sorted positions their items came from.
+  with jax.named_scope("return"):
+    if y_IF is None:
+      y_IF = zeros_varying((I, out_CF.shape[1]), out_CF.dtype, out_CF)
+    return exchange(out_CF, y_IF, flat(rat_SL), flat(recv_SL), flat(q.from_SL + rskip_SL),
+                    flat(send_NL))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_overflow(cfg, x_ID, ffn_L, q, rounds):
+  """Rounds 1 .. rounds - 1 of `_ragged_round`: f[I, F] (zeros when there are none)."""
+  def body(carry):
+    r, y_IF = carry
+    return r + 1, _ragged_round(cfg, x_ID, ffn_L, q, cfg.rows.start(r), cfg.rows.overflow,
+                                y_IF)
+
+  y_IF = zeros_varying((x_ID.shape[0], ffn_L.d_out), x_ID.dtype, x_ID)
+  # Named so that measure.collective_bytes can scale the loop body by rounds - 1.
+  with jax.named_scope(RAGGED_SCOPE):
+    return jax.lax.while_loop(lambda c: c[0] < rounds, body,
+                              (jnp.ones((), jnp.int32), y_IF))[1]
+
+
+def _ragged_overflow_fwd(cfg, x_ID, ffn_L, q, rounds):
+  return _ragged_overflow(cfg, x_ID, ffn_L, q, rounds), (x_ID, ffn_L, q, rounds)
+
+
+def _ragged_overflow_bwd(cfg, res, dy_IF):
+  x_ID, ffn_L, q, rounds = res
+
+  def body(carry):
+    r, acc = carry
+    _, vjp = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, cfg.rows.start(r),
+                                                cfg.rows.overflow), x_ID, ffn_L)
+    return r + 1, jax.tree.map(jnp.add, acc, vjp(dy_IF))
+
+  zeros = jax.tree.map(jnp.zeros_like, (x_ID, ffn_L))
+  with jax.named_scope(RAGGED_SCOPE):
+    dx, dffn = jax.lax.while_loop(lambda c: c[0] < rounds, body,
+                                  (jnp.ones((), jnp.int32), zeros))[1]
+  return dx, dffn, None, None
+
+
+_ragged_overflow.defvjp(_ragged_overflow_fwd, _ragged_overflow_bwd)
