@@ -10,7 +10,8 @@ max_tile, min_tile) -> [M, F]` (products accumulated in float32, the result writ
   * "tiled" (`gmm_tiled.py`): power-of-two row tiles in group-major `while_loop`s, routed
     FLOPs plus bounded padding, forward and backward, on any platform. The CPU backend.
   * "megablox" (`gmm_tpu.py`): JAX's megablox Pallas kernels (gmm forward and dx, tgmm dw):
-    routed FLOPs forward and backward on TPU, the TPU backend. bfloat16 and float32 only;
+    routed FLOPs forward and backward on TPU, by name (`gmm_impl="megablox"`; see
+    `PLATFORM_BACKENDS` for why "auto" does not take it yet). bfloat16 and float32 only;
     other dtypes, and a single group, take "ragged_dot". Named explicitly, it runs anywhere: off TPU in Pallas
     interpret mode (slow; for tests).
   * "ragged_dot": `lax.ragged_dot`. Native on TPU (forward); on CPU (and by default on GPU)
@@ -70,7 +71,10 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
 
 
 BACKENDS = {"megablox": megablox, "ragged_dot": ragged_dot, "tiled": tiled}
-PLATFORM_BACKENDS = {"tpu": "megablox"}
+# TPU takes lax.ragged_dot, not megablox: `platform_dependent` traces every branch, and
+# megablox's group metadata fails shard_map's varying-axes check when JAX transforms a
+# `lax.scan` over all_to_all layers (scan-over-layers training). gmm_impl="megablox" opts in.
+PLATFORM_BACKENDS = {"tpu": "ragged_dot"}
 DEFAULT_BACKEND = "tiled"
 IMPLS = ("auto", *BACKENDS)
 

@@ -77,12 +77,14 @@ def test_policy_saves_exactly_the_named_value(name):
 
 
 def test_policy_on_the_all_to_all_layer(mesh):
-  # The rounds run in a while_loop under a custom_vjp whose backward replays them: the names
-  # inside a round cannot be saved, the layer-level ones (logits, dispatch output) can.
+  # The overflow rounds run in a while_loop under a custom_vjp whose backward replays them,
+  # and round 0 is differentiated inside the dispatch's shard_map: the names inside a round
+  # are not saved by a policy, the layer-level ones (logits, dispatch output) are. (Round 0
+  # keeps its own residuals inside the shard_map, which the policy does not govern.)
   cfg = dataclasses.replace(CFG, impl="all_to_all")
   params = ms.init_moe_params(jax.random.key(0), cfg, mesh=mesh)
   f = loss_fn(cfg, mesh)
   everything = jax.checkpoint_policies.save_only_these_names(*ms.CHECKPOINT_NAMES)
   lines = saved(jax.checkpoint(f, policy=everything), params, X)
   assert named(lines) == {ms.MOE_ROUTER_LOGITS, ms.MOE_DISPATCH_OUT}
-  assert len(lines) == len(saved(jax.checkpoint(f), params, X)) + 2
+  assert len(lines) >= len(saved(jax.checkpoint(f), params, X)) + 2
