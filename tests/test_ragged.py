@@ -375,8 +375,8 @@ def test_errors():
   with pytest.raises(ValueError, match=re.escape(
       "moe_ragged_all_to_all: num_experts (6) must be divisible by the 'expert' axis size (4)")):
     trace(fn, *_args(E=6), mesh=mesh("4x2-explicit"))
-  with pytest.raises(TypeError, match=re.escape(
-      "moe_ragged_all_to_all: mesh must be a jax.sharding.Mesh (got NoneType)")):
+  with pytest.raises(ValueError, match=re.escape(
+      "moe_ragged_all_to_all: mesh must be given, or a mesh be in scope")):
     trace(fn, *_args(), mesh=None)
   with pytest.raises(ValueError, match=re.escape("moe_ragged_all_to_all: ") + ".*'model'"):
     trace(fn, *_args(), mesh=mesh("4x2-auto"), expert_axis="model")

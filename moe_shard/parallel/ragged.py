@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
-from moe_shard.sharding import (EXPERT, check_mesh, trim, vary_over, zeros_varying)
+from moe_shard.sharding import EXPERT, resolve_mesh, trim, vary_over, zeros_varying
 
 from moe_shard.parallel.common import _prepare
 
@@ -95,7 +95,7 @@ def _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_s
       default=emulated, **{p: native for p in RAGGED_PLATFORMS})
 
 
-def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=EXPERT,
+def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT,
                           capacity=None, return_stats=False, gmm_impl="auto"):
   """Expert-parallel MoE: dropless `ragged_all_to_all` dispatch, compute, and return.
 
@@ -123,7 +123,8 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=E
       `expert_axis`, replicated over the other axes).
     experts: int[T] or int[T, K] expert ids; ids outside [0, E) contribute zero.
     weights: f[T, K] combine weights (the shape of `experts`), or None for ones (default).
-    mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types.
+    mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types. None
+      (default): the mesh in scope (`jax.set_mesh`).
     expert_axis: name of the mesh axis experts are split over (default "expert").
     capacity: rows of the receive buffer per device and round. None (default): round 0
       takes C = 1.25 times the expected load T_dev*K, rounded up to a multiple of 8, so
@@ -140,10 +141,12 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh, expert_axis=E
     C and C_overflow).
 
   Raises:
-    TypeError, ValueError: bad arguments, or E not divisible by the expert-axis size.
+    TypeError, ValueError: bad arguments, no mesh (none given and none in scope), or E not
+      divisible by the expert-axis size.
   """
   fn = "moe_ragged_all_to_all"
-  check_mesh(fn, mesh, expert_axis)
+  expert_axis = _checks.expert_axis_field(fn, expert_axis)
+  mesh = resolve_mesh(fn, mesh, expert_axis, required=True)
   if capacity is not None:
     capacity = _checks.int_field(fn, "capacity", capacity, 1)
   out = _ragged_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
