@@ -14,10 +14,9 @@ from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.balance import expert_load
 from moe_shard.remat import MOE_DISPATCH_RECV
-from moe_shard.sharding import (EXPERT, axis_size, resolve_mesh, trim, vary_over,
-                                zeros_varying)
+from moe_shard.sharding import (EXPERT, axis_size, resolve_mesh, vary_over, zeros_varying)
 
-from moe_shard.parallel.common import _prepare
+from moe_shard.parallel.common import _prepare, run_on_mesh
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
 
@@ -98,16 +97,7 @@ def _all_to_all_jit(x_TD, w, experts, weights, *, mesh, expert_axis, chunk_size,
   tok = lay.token_spec
   stats_specs = dict(rounds=P(), sent_items=tok, sent_slots=tok, expert_load=P(),
                      invalid_ids=P())
-  y_TF, stats = jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
-      out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
-  y_TF = trim(y_TF, mesh, lay.tokens)
-  if not return_stats:
-    return y_TF
-  # Padding tokens carry id -1 on each of their K slots; they are not the caller's.
-  stats["invalid_ids"] = stats["invalid_ids"] - (lay.padded - lay.tokens) * experts_TK.shape[1]
-  return y_TF, stats
+  return run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_shard import local
-from moe_shard.sharding import (axis_size, check_mesh, expert_axes, place, token_spec)
+from moe_shard.sharding import (axis_size, check_mesh, expert_axes, place, token_spec,
+                                trim)
 
 
 
@@ -58,3 +59,22 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
                                   for a in (x_TD, experts_TK, weights_TK))
   ffn = jax.tree.map(lambda leaf: place(leaf, mesh, P(expert_axis)), ffn)
   return lay, x_TD, ffn, experts_TK, weights_TK
+
+
+def run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats):
+  """Runs a dispatch body under shard_map on placed inputs: (y_TF, stats) or y_TF.
+
+  Tokens, ids and weights are split like `lay.token_spec`, the FFN over the expert axis;
+  the padding tokens are trimmed from y, and their K slots (id -1 each) are taken out of
+  `stats["invalid_ids"]`: they are not the caller's.
+  """
+  tok = lay.token_spec
+  y_TF, stats = jax.shard_map(
+      body, mesh=lay.mesh,
+      in_specs=(tok, jax.tree.map(lambda _: P(lay.expert_axis), ffn), tok, tok),
+      out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
+  y_TF = trim(y_TF, lay.mesh, lay.tokens)
+  if not return_stats:
+    return y_TF
+  padding = (lay.padded - lay.tokens) * experts_TK.shape[1]
+  return y_TF, dict(stats, invalid_ids=stats["invalid_ids"] - padding)

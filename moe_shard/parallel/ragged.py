@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
-from moe_shard.sharding import EXPERT, resolve_mesh, trim, vary_over, zeros_varying
+from moe_shard.sharding import EXPERT, resolve_mesh, vary_over, zeros_varying
 
-from moe_shard.parallel.common import _prepare
+from moe_shard.parallel.common import _prepare, run_on_mesh
 
 
 # --------------------------------------------------------------------------- ragged_all_to_all
@@ -171,15 +171,7 @@ def _ragged_jit(x_TD, w, experts, weights, *, mesh, expert_axis, capacity, retur
   tok = lay.token_spec
   stats_specs = dict(rounds=P(), sent_items=tok, received_items=tok, expert_load=P(),
                      invalid_ids=P())
-  y_TF, stats = jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
-      out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
-  y_TF = trim(y_TF, mesh, lay.tokens)
-  if not return_stats:
-    return y_TF
-  stats["invalid_ids"] = stats["invalid_ids"] - (lay.padded - lay.tokens) * K
-  return y_TF, stats
+  return run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats)
 
 
 @dataclasses.dataclass(frozen=True)
