@@ -1,0 +1,175 @@
+"""On a GPU: the native `ragged_all_to_all`, the grouped-matmul backends and every dispatch
+against the float64 oracles, outputs and gradients.
+
+CI has no GPU, so every test here is skipped there, with the reason printed. On a machine
+with one (the README's GPU section):
+
+    JAX_PLATFORMS=cuda python -m pytest -q -rs tests/test_gpu.py
+
+One GPU is one device: the expert-parallel dispatches run on a 1x1 mesh, where every
+exchange is with the device itself. That still runs XLA:GPU's own `ragged-all-to-all`
+(the CPU tests run an emulation of it), and checks the emulation's semantics against it.
+float32 matmuls run at "highest" precision here (XLA:GPU would otherwise use TF32, whose
+10-bit mantissa is outside the float32 tolerance); bfloat16 cases keep the default.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import moe_shard as ms
+import oracle
+from cases import ROUTINGS, assert_close, assert_tree_close, cotangent, feasible, make_case
+from moe_shard.parallel import ragged_all_to_all_emulated
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="needs a GPU (CI has none): run `JAX_PLATFORMS=cuda python -m pytest "
+           "tests/test_gpu.py` on a machine with one")
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _mesh(names=("data", "expert")):
+  return jax.make_mesh((1,) * len(names), names, devices=jax.devices()[:1])
+
+
+# --------------------------------------------------------------------------- the primitive
+
+
+def test_native_ragged_all_to_all_matches_the_emulation_and_the_model():
+  """`lax.ragged_all_to_all` as XLA:GPU runs it, against the CPU emulation and NumPy."""
+  rng = np.random.default_rng(0)
+  J, rows, D = 6, 48, 4
+  send = rng.integers(0, 7, J).astype(np.int32)
+  send[2] = 0  # an empty slice
+  in_off = (np.cumsum(send) - send + rng.integers(0, 3, J)).astype(np.int32)
+  order = rng.permutation(J)  # slices land in another order, with gaps between them
+  out_off = np.zeros(J, np.int32)
+  at = 0
+  for i in order:
+    at += int(rng.integers(0, 2))
+    out_off[i], at = at, at + send[i]
+  operand = rng.normal(size=(rows, D)).astype(np.float32)
+  output = np.full((rows, D), -7.0, np.float32)
+  want = output.copy()
+  for i in range(J):
+    want[out_off[i]:out_off[i] + send[i]] = operand[in_off[i]:in_off[i] + send[i]]
+
+  def exchange(fn):
+    body = functools.partial(fn, axis_name="x")
+    f = jax.shard_map(body, mesh=_mesh(("x",)), in_specs=P(), out_specs=P(),
+                      check_vma=False)
+    return np.asarray(jax.jit(f)(operand, output, in_off, send, out_off, send))
+
+  np.testing.assert_array_equal(exchange(jax.lax.ragged_all_to_all), want)
+  np.testing.assert_array_equal(exchange(ragged_all_to_all_emulated), want)
+
+
+def test_the_gpu_program_runs_the_native_exchange():
+  x, w, experts, weights = make_case("uniform", T=16, D=8, F=16, E=4, K=2, seed=0)
+  fn = functools.partial(ms.moe_ragged_all_to_all, mesh=_mesh())
+  text = jax.jit(fn).lower(x, w, experts, weights).as_text()
+  assert "ragged_all_to_all" in text
+  assert "all_to_all" not in text.replace("ragged_all_to_all", "")  # no emulation
+
+
+# --------------------------------------------------------------------------- grouped matmul
+
+
+def _gmm_reference(x, w, sizes, dy):
+  """y, dx, dw of the grouped matmul in float64 (rows past the groups: zeros)."""
+  x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
+  y, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
+  start = 0
+  for g, n in enumerate(sizes):
+    rows = slice(start, start + n)
+    y[rows], dx[rows], dw[g] = x[rows] @ w[g], dy[rows] @ w[g].T, x[rows].T @ dy[rows]
+    start += n
+  return y, dx, dw
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl", ms.grouped_matmul.__globals__["IMPLS"])
+def test_grouped_matmul_backends(impl, dtype):
+  """Empty groups, one big group and rows past the groups' total, forward and backward."""
+  rng = np.random.default_rng(1)
+  M, D, F = 96, 32, 48
+  sizes = np.array([0, 40, 3, 0, 17, 1, 0, 20], np.int32)  # 81 of 96 rows
+  x = jnp.asarray(rng.normal(size=(M, D)), dtype)
+  w = jnp.asarray(rng.normal(size=(len(sizes), D, F)) / np.sqrt(D), dtype)
+  dy = jnp.asarray(rng.normal(size=(M, F)), dtype)
+
+  @jax.jit
+  def run(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: ms.grouped_matmul(x, w, sizes, impl=impl), x, w)
+    return y, *vjp(dy)
+
+  got = run(x, w, dy)
+  for what, g, want in zip(("y", "dx", "dw"), got, _gmm_reference(x, w, sizes, dy)):
+    assert g.dtype == jnp.dtype(dtype)
+    assert_close(g.astype(jnp.float32), want, dtype, err_msg=f"{impl} {dtype} {what}")
+
+
+# --------------------------------------------------------------------------- dispatches
+
+
+DISPATCHES = {
+    "ragged_dot": ms.moe_ragged_dot,
+    "ragged_all_to_all": functools.partial(ms.moe_ragged_all_to_all, mesh=_mesh()),
+    "all_to_all": functools.partial(ms.moe_all_to_all, mesh=_mesh()),
+    "all_gather": functools.partial(ms.moe_all_gather, mesh=_mesh()),
+}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _outputs_and_grads(name, x, w, experts, weights, ct):
+  def loss(x, w, weights):
+    y = DISPATCHES[name](x, w, experts, weights)
+    return jnp.sum(y.astype(jnp.float32) * ct), y
+
+  grads, y = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, weights)
+  return y, grads
+
+
+@pytest.mark.parametrize("routing", [r for r in ROUTINGS if r != "one_device"])
+@pytest.mark.parametrize("name", list(DISPATCHES))
+def test_dispatch_matches_the_oracle(name, routing):
+  """SwiGLU, float32, T = 13 (not a multiple of anything), on the adversarial routings
+  ("one_device" is "uniform" on one device)."""
+  T, D, F, E = 13, 8, 16, 4
+  K = E if routing == "k_equals_e" else 2
+  assert feasible(routing, E=E, K=K)
+  x, w, experts, weights = make_case(routing, T=T, D=D, F=F, E=E, K=K, seed=3,
+                                     ffn="swiglu", num_devices=1)
+  ct = cotangent((T, D), jnp.float32, seed=3)
+  y, grads = _outputs_and_grads(name, x, w, experts, weights, ct)
+  assert_close(y, oracle.moe(x, w, experts, weights), jnp.float32, err_msg=f"{name} y")
+  assert_tree_close(grads, oracle.moe_grads(x, w, experts, weights, ct), jnp.float32,
+                    err_msg=f"{name} grads")
+
+
+@pytest.mark.parametrize("impl", ["auto", "ragged_all_to_all", "all_to_all"])
+def test_layer_in_bfloat16(impl):
+  """The whole layer (router, dispatch, shared expert) on the GPU mesh, bf16, against the
+  local masked-scan reference run in float32 on the same bf16 inputs."""
+  cfg = ms.MoEConfig(d_model=64, d_ff=128, num_experts=8, top_k=2, num_shared_experts=1,
+                     shared_d_ff=64, impl=impl, param_dtype="bfloat16")
+  ref_cfg = ms.MoEConfig(**{**cfg.__dict__, "impl": "masked_scan", "param_dtype": "float32"})
+  params = ms.init_moe_params(jax.random.key(0), cfg)
+  x = jax.random.normal(jax.random.key(1), (4, 32, 64), jnp.bfloat16)
+  y, aux = jax.jit(ms.moe_layer, static_argnums=(2, 3))(params, x, cfg, _mesh())
+  params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  want, _ = jax.jit(ms.moe_layer, static_argnums=(2,))(params32, x.astype(jnp.float32),
+                                                       ref_cfg)
+  assert y.dtype == jnp.bfloat16
+  assert_close(y.astype(jnp.float32), want, jnp.bfloat16, err_msg=impl)
+  assert int(jnp.sum(aux["expert_load"])) == 4 * 32 * 2
