@@ -20,7 +20,8 @@ group boundary inside a tile. What megablox does not take as is:
     types, which Pallas rejects there; they are traced with JAX's internal check_vma flag
     off and their outputs cast to vary like the inputs. Inputs that do not vary (e.g.
     replicated w) are cast to varying first, as in `grouped_matmul`, so a replicated w's
-    gradient comes back summed over the devices.
+    gradient comes back summed over the devices. (These helpers, shared with the GPU
+    backend `gmm_gpu`, live in `gmm_pallas`.)
 
 megablox also takes `group_offset` (groups [offset, offset + rhs groups) of the sizes, rhs
 holding only those: a device's local experts) and `existing_out` (accumulate into an
@@ -29,7 +30,6 @@ aliased output); neither is part of this backend's contract.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 
@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks
+from moe_shard.gmm_pallas import (clip_group_sizes, no_vma_check, round_up, vary_like,
+                                  vary_together, zero_past_groups)
 from moe_shard.sharding import varying_axes as _varying_axes
 
 # The kernel module, not `megablox.gmm` (the package re-exports ops.gmm under that name).
@@ -52,13 +54,9 @@ VMEM_BUDGET = 12 * 2**20
 DTYPES = (jnp.bfloat16, jnp.float32)  # what megablox's kernels accept
 
 
-def _round_up(n, multiple):
-  return -(-n // multiple) * multiple
-
-
 def _lane_tile(n, cap):
   """The largest multiple of 128 that divides n rounded up to 128, at most max(cap, 128)."""
-  lanes = _round_up(max(n, 1), LANES) // LANES
+  lanes = round_up(max(n, 1), LANES) // LANES
   return LANES * max(d for d in range(1, max(cap // LANES, 1) + 1) if lanes % d == 0)
 
 
@@ -97,7 +95,7 @@ def default_tiling(M, D, F, dtype, *, num_groups=1):
   """
   b = jnp.dtype(dtype).itemsize
   tm = MAX_ROW_TILE if 4 * (num_groups - 1) * MAX_ROW_TILE <= 3 * M else ROW_TILE
-  tm = min(tm, _round_up(max(M, 1), LANES))
+  tm = min(tm, round_up(max(M, 1), LANES))
   tk, tn = _lane_tile(D, MAX_COL_TILE), _lane_tile(F, MAX_COL_TILE)
   while vmem_bytes(tm, tk, tn, b) > VMEM_BUDGET and max(tk, tn) > LANES:
     if tk >= tn:
@@ -109,10 +107,10 @@ def default_tiling(M, D, F, dtype, *, num_groups=1):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
-  with _no_vma_check():
+  with no_vma_check():
     y_QF = _mb.gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret=interpret)
-  (y_QF,) = _vary_like(_varying_axes(x_QD), y_QF)
-  return _zero_past_groups(y_QF, group_sizes_G)
+  (y_QF,) = vary_like(_varying_axes(x_QD), y_QF)
+  return zero_past_groups(y_QF, group_sizes_G)
 
 
 def _gmm_fwd(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
@@ -125,24 +123,18 @@ def _gmm_bwd(out_dtype, tiling, interpret, res, dy_QF):
   x_QD, w_GDF, group_sizes_G = res
   tm, tk, tn = tiling
   dy_QF = dy_QF.astype(x_QD.dtype)  # bf16 in, bf16 products (f32 accumulation)
-  with _no_vma_check():
+  with no_vma_check():
     # dx = dy @ w[g]^T: contraction over F (tile tn), output columns over D (tile tk).
     dx_QD = _mb.gmm(dy_QF, w_GDF, group_sizes_G, x_QD.dtype, (tm, tn, tk),
                     transpose_rhs=True, interpret=interpret)
     # dw[g] = x[rows of g]^T @ dy[rows of g]; every group written, empty ones with zeros.
     dw_GDF = _mb.tgmm(x_QD.swapaxes(0, 1), dy_QF, group_sizes_G, w_GDF.dtype, tiling,
                       num_actual_groups=w_GDF.shape[0], interpret=interpret)
-  dx_QD, dw_GDF = _vary_like(_varying_axes(x_QD), dx_QD, dw_GDF)
-  return _zero_past_groups(dx_QD, group_sizes_G), dw_GDF, None
+  dx_QD, dw_GDF = vary_like(_varying_axes(x_QD), dx_QD, dw_GDF)
+  return zero_past_groups(dx_QD, group_sizes_G), dw_GDF, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
-
-
-def _zero_past_groups(a_PN, group_sizes_G):
-  """Zeros the rows at and past sum(group_sizes), which megablox leaves unwritten."""
-  rows_P = jax.lax.broadcasted_iota(jnp.int32, (a_PN.shape[0], 1), 0)
-  return jnp.where(rows_P < jnp.sum(group_sizes_G), a_PN, jnp.zeros((), a_PN.dtype))
 
 
 def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, tiling=None,
@@ -195,25 +187,10 @@ def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, til
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise TypeError(f"{fn}: preferred_element_type must be a float dtype (got {out_dtype})")
   # Sizes that end by M: rows past M (and the padding below) belong to no group.
-  ends_G = jnp.clip(jnp.cumsum(group_sizes_G.astype(jnp.int32)), 0, M)
-  group_sizes_G = jnp.diff(ends_G, prepend=jnp.zeros((1,), jnp.int32))
-  axes = frozenset().union(*map(_varying_axes, (x_MD, w_GDF, group_sizes_G)))
-  x_MD, w_GDF, group_sizes_G = _vary_like(axes, x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
-  Q, Dp, Fp = _round_up(max(M, 1), tm), _round_up(D, tk), _round_up(F, tn)
+  group_sizes_G = clip_group_sizes(group_sizes_G, M)
+  x_MD, w_GDF, group_sizes_G = vary_together(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
+  Q, Dp, Fp = round_up(max(M, 1), tm), round_up(D, tk), round_up(F, tn)
   x_QD = jnp.pad(x_MD, ((0, Q - M), (0, Dp - D)))
   w_GDF = jnp.pad(w_GDF, ((0, 0), (0, Dp - D), (0, Fp - F)))
   y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, bool(interpret))
   return y_QF[:M, :F]
-
-
-def _vary_like(axes, *arrays):
-  """Casts each array to vary over `axes` (a superset of its own; no-op outside shard_map)."""
-  return tuple(a if _varying_axes(a) == axes else
-               jax.lax.pcast(a, tuple(sorted(axes - _varying_axes(a))), to="varying")
-               for a in arrays)
-
-
-def _no_vma_check():
-  """Traces megablox's pallas_calls inside a shard_map with check_vma (see the module doc)."""
-  flag = getattr(jax._src.config, "_check_vma", None)  # internal: no public switch exists
-  return contextlib.nullcontext() if flag is None else flag(False)
