@@ -14,15 +14,25 @@ max_tile, min_tile) -> [M, F]` (products accumulated in float32, the result writ
     `PLATFORM_BACKENDS` for why "auto" does not take it yet). bfloat16 and float32 only;
     other dtypes, and a single group, take "ragged_dot". Named explicitly, it runs anywhere: off TPU in Pallas
     interpret mode (slow; for tests).
-  * "ragged_dot": `lax.ragged_dot`. Native on TPU (forward); on CPU (and by default on GPU)
-    XLA lowers it to a masked dense product over all G groups: G times the routed FLOPs and
-    a `[G, M, ...]` temporary. On TPU its weight gradient is such a dense product too
-    (compiled for v5e: 3.3x the routed FLOPs forward+backward at G=8, 11x at G=32).
+  * "mosaic_gpu" (`gmm_gpu.py`): JAX's Mosaic GPU Pallas kernels for Hopper (ragged_dot
+    forward and dx, transposed_ragged_dot dw): routed FLOPs forward and backward, the CUDA
+    backend. bfloat16 and float16 only (y rounded to x's dtype before the cast to
+    `out_dtype`); other dtypes, float32 included, take "ragged_dot". On an H100 (M=32768,
+    D=2048, F=4096, bf16) 0.50-0.51x a dense matmul's speed forward+backward at G=8, 0.47x at
+    G=32, 0.30x at G=128, where `lax.ragged_dot` runs at 0.12x and 0.03x at G=8 and 32
+    (bench/results/gpu_h100_gmm.md). It runs only on a Hopper GPU; elsewhere it is only
+    traced (see `PLATFORM_BACKENDS`).
+  * "ragged_dot": `lax.ragged_dot`. Native on TPU (forward); on CPU and GPU XLA lowers it to
+    a masked dense product over all G groups: G times the routed FLOPs and a `[G, M, ...]`
+    temporary. On TPU its weight gradient is such a dense product too (compiled for v5e:
+    3.3x the routed FLOPs forward+backward at G=8, 11x at G=32).
 
 `PLATFORM_BACKENDS` maps a platform to the backend "auto" picks there, through
 `lax.platform_dependent`, so the choice follows the platform the program is compiled for
 (an ahead-of-time TPU compile on a CPU host takes the TPU entry); platforms not listed take
-`DEFAULT_BACKEND`. A new backend is one function and one entry.
+`DEFAULT_BACKEND`. A new backend is one function and one entry. `platform_dependent` traces
+every branch on every host, so every entry must trace anywhere (the Mosaic GPU kernels do,
+inside shard_map and under a differentiated `lax.scan` over layers: tests/test_gmm_gpu.py).
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ import jax.numpy as jnp
 
 from moe_shard import _checks
 from moe_shard.gmm_tiled import default_tiles, gmm_tiled, tile_sizes
+from moe_shard.gmm_gpu import DTYPES as MOSAIC_GPU_DTYPES
+from moe_shard.gmm_gpu import mosaic_gpu_gmm
 from moe_shard.gmm_tpu import DTYPES as MEGABLOX_DTYPES
 from moe_shard.gmm_tpu import megablox_gmm
 from moe_shard.sharding import match_vma
@@ -70,11 +82,24 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
                                     default=run(True))
 
 
-BACKENDS = {"megablox": megablox, "ragged_dot": ragged_dot, "tiled": tiled}
+def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
+  """The "mosaic_gpu" backend: JAX's Mosaic GPU kernels (`gmm_gpu`; Hopper, sm_90a) for
+  bfloat16 and float16; other dtypes (float32) take "ragged_dot". The kernels write x's
+  dtype (f32 accumulators inside), then cast to `out_dtype`.
+  """
+  if x_MD.dtype not in MOSAIC_GPU_DTYPES:
+    return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
+  return mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype)
+
+
+BACKENDS = {"megablox": megablox, "mosaic_gpu": mosaic_gpu, "ragged_dot": ragged_dot,
+            "tiled": tiled}
 # TPU takes lax.ragged_dot, not megablox: `platform_dependent` traces every branch, and
 # megablox's group metadata fails shard_map's varying-axes check when JAX transforms a
 # `lax.scan` over all_to_all layers (scan-over-layers training). gmm_impl="megablox" opts in.
-PLATFORM_BACKENDS = {"tpu": "ragged_dot"}
+# CUDA takes "mosaic_gpu": its kernels trace on any host (off a GPU its dw traces as
+# lax.ragged_dot_general, see gmm_gpu), in shard_map and in scan-over-layers training.
+PLATFORM_BACKENDS = {"tpu": "ragged_dot", "cuda": "mosaic_gpu"}
 DEFAULT_BACKEND = "tiled"
 IMPLS = ("auto", *BACKENDS)
 
@@ -88,7 +113,8 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, impl="auto", preferred_element
     w_GDF: f[G, D, F] one matrix per group (cast to the dtype of `x_MD`).
     group_sizes_G: int[G] rows per group; rows past `sum(group_sizes_G)` give zeros.
     impl: "auto" (default; the backend of the platform compiled for, `PLATFORM_BACKENDS`,
-      else `DEFAULT_BACKEND`) or a name of `BACKENDS` ("megablox", "ragged_dot", "tiled").
+      else `DEFAULT_BACKEND`) or a name of `BACKENDS` ("megablox", "mosaic_gpu",
+      "ragged_dot", "tiled").
     preferred_element_type: output dtype (default: the dtype of `x_MD`). Products always
       accumulate in float32.
     max_tile, min_tile: tile sizes of "tiled", powers of two (default None: from

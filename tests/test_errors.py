@@ -117,6 +117,6 @@ def test_good_input_traces(fn, w):
 def test_ragged_dot_unknown_gmm_impl():
   args = _good()
   with pytest.raises(ValueError, match=re.escape(
-      "grouped_matmul: impl must be one of ('auto', 'megablox', 'ragged_dot', 'tiled') (got 'dense')")):
+      "grouped_matmul: impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled') (got 'dense')")):
     trace(ms.moe_ragged_dot, args["x_TD"], args["w"], args["experts"], args["weights"],
           gmm_impl="dense")

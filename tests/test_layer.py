@@ -94,7 +94,7 @@ BAD_CONFIGS = [
      "'ragged_dot', 'all_gather', 'all_to_all', 'ragged_all_to_all') or a callable "
      "(got 'fast')"),
     (dict(gmm_impl="dense"), ValueError,
-     "MoEConfig: gmm_impl must be one of ('auto', 'megablox', 'ragged_dot', 'tiled') (got 'dense')"),
+     "MoEConfig: gmm_impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled') (got 'dense')"),
     (dict(expert_type="linear"), ValueError,
      "MoEConfig: d_ff must equal d_model (8) when expert_type is 'linear', whose experts map "
      "D to F (got 12)"),

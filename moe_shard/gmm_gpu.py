@@ -1,0 +1,216 @@
+"""Grouped matmul on NVIDIA Hopper GPUs: JAX's Mosaic GPU Pallas kernels behind one
+differentiable function.
+
+    y[m] = x[m] @ w[g(m)]   for m < sum(group_sizes), rows of group g contiguous
+    y[m] = 0                for m >= sum(group_sizes)
+
+Forward `ragged_dot(x, w)`, backward dx = `ragged_dot(dy, w, transpose_rhs=True)` and
+dw = `transposed_ragged_dot(x, dy)` (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` and
+`transposed_ragged_dot_mgpu`, sm_90a: warpgroup MMAs, TMA copies), wired by our own
+`custom_vjp`. The row kernels visit each row tile once per group it holds (at most
+M / block_m + G - 1 tiles); dw visits each group's rows once: the routed FLOPs plus at most
+one tile per group boundary. What the kernels do not take as is:
+
+  * dtypes: x and w must have one dtype; bfloat16 or float16 here (the "mosaic_gpu" backend
+    of `grouped_matmul` sends other dtypes to `lax.ragged_dot`). The kernels accumulate in
+    float32 and write their inputs' dtype: y (and dx, dw) are rounded to x's dtype, then
+    cast to `preferred_element_type`.
+  * Shapes: the contracted dimension must be a multiple of block_k, the output columns of
+    block_n * grid_block_n, dw's rows (D) of block_m. M is zero-padded to a multiple of the
+    row tiles, D and F to the multiples their three uses need (`padded_sizes`; 128 with the
+    default blocks), and y, dx, dw are sliced back. Padding copies x (M, D) and w (D, F) on
+    every call: keep M, D and F multiples of 128 (model widths are) and no copy is made.
+  * Rows past sum(group_sizes): never written (uninitialised memory), so y and dx are zeroed
+    with a `where` (`gmm_pallas.zero_past_groups`). Group sizes are clipped to end by M.
+    dw's kernel masks a neighbouring group's rows in a shared block by multiplying them by
+    zero: a non-finite value in any row of x or dy (past the groups too) can reach dw.
+  * `jax.shard_map` with check_vma: as for megablox (`gmm_pallas`): the pallas_calls are
+    traced with the check off, their outputs cast to vary like the inputs.
+  * Tracing off a GPU: `transposed_ragged_dot` reads the SM count from `jax.devices()[0]`
+    while tracing. `lax.platform_dependent` (grouped_matmul's "auto") traces the CUDA branch
+    on every host, so where the default device is not a GPU dw is traced as
+    `lax.ragged_dot_general` instead (never run there; the forward and dx kernels trace).
+
+Blocks (`BlockConfig`, default `default_blocks`): block_m rows per tile (dw: columns of D),
+block_n output columns per tile (F; dx: D), block_k the contraction step (D; dx: F; dw:
+rows), max_concurrent_steps the pipeline depth (shared memory holds that many steps of
+both operands), grid_block_n the width of the tile order's snake (L2 reuse of x's tiles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+
+from moe_shard import _checks
+from moe_shard.gmm_pallas import (clip_group_sizes, no_vma_check, round_up, vary_like,
+                                  vary_together, zero_past_groups)
+from moe_shard.sharding import varying_axes
+
+DTYPES = (jnp.bfloat16, jnp.float16)  # what the kernels' warpgroup MMAs take here
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """The kernels' tile sizes (the same for forward, dx and dw; see the module doc)."""
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 4
+  grid_block_n: int = 1
+
+  def kwargs(self):
+    return dataclasses.asdict(self)
+
+
+def default_blocks(M, D, F, dtype, *, num_groups=1):
+  """The block config for x: dtype[M, D], w: dtype[G, D, F] on an H100.
+
+  Rule: block_m = block_n = 128 (two 64-row warpgroup MMAs by a 128-wide tile), block_k =
+  128 bytes of the dtype (64 elements: one 128-byte swizzled shared-memory row),
+  max_concurrent_steps = 4 (4 steps of 128x64 + 64x128 bf16 = 128 KiB of the 227 KiB of
+  shared memory, with the 32 KiB output tile), grid_block_n = 1. Measured on an H100
+  (M=32768, D=2048, F=4096, bf16, JAX 0.11.2): forward+backward 0.50-0.51x a dense
+  matmul's speed at G=8, 0.47x at G=32, 0.30x at G=128 (bench/results/gpu_h100_gmm.md).
+  Tuning note: at G=128 (uniform) the sweep in bench/results/gpu_h100_sweep.md measured
+  BlockConfig(64, 256, 64, 4, 1) at 0.39x and grid_block_n=4 at 0.37x; neither is the
+  default yet: only G=128 was swept, and their outputs were not checked on a GPU. The
+  arguments are the problem's, for rules that depend on them; this one does not yet.
+
+  Args:
+    M, D, F: problem sizes (ints).
+    dtype: the inputs' dtype (2 bytes: bfloat16 or float16).
+    num_groups: G (default 1).
+
+  Returns:
+    BlockConfig.
+  """
+  del M, D, F, num_groups
+  return BlockConfig(block_k=128 // jnp.dtype(dtype).itemsize)
+
+
+def padded_sizes(M, D, F, blocks):
+  """(Q, Dp, Fp): M, D, F rounded up to what the three kernels need with these blocks.
+
+  Rows: the row tiles (block_m) and dw's contraction step (block_k). D: the forward's
+  contraction (block_k), dx's output columns (block_n * grid_block_n), dw's rows (block_m).
+  F: the forward's output columns (block_n * grid_block_n), dx's contraction (block_k).
+  """
+  b = blocks
+  cols = b.block_n * b.grid_block_n
+  return (round_up(max(M, 1), math.lcm(b.block_m, b.block_k)),
+          round_up(D, math.lcm(b.block_k, cols, b.block_m)),
+          round_up(F, math.lcm(cols, b.block_k)))
+
+
+@functools.cache
+def _kernels():
+  """The kernel modules, imported on first use (they pull in Mosaic GPU's Python side)."""
+  return (importlib.import_module("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"),
+          importlib.import_module("jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu"))
+
+
+def _default_device_is_a_gpu():
+  """Whether `transposed_ragged_dot` can read the SM count it needs while tracing."""
+  return getattr(jax.devices()[0], "core_count", None) is not None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm(x_QD, w_GDF, group_sizes_G, blocks):
+  rd, _ = _kernels()
+  with no_vma_check():
+    y_QF = rd.ragged_dot(x_QD, w_GDF, group_sizes=group_sizes_G, **blocks.kwargs())
+  (y_QF,) = vary_like(varying_axes(x_QD), y_QF)
+  return zero_past_groups(y_QF, group_sizes_G)
+
+
+def _gmm_fwd(x_QD, w_GDF, group_sizes_G, blocks):
+  return _gmm(x_QD, w_GDF, group_sizes_G, blocks), (x_QD, w_GDF, group_sizes_G)
+
+
+def _gmm_bwd(blocks, res, dy_QF):
+  x_QD, w_GDF, group_sizes_G = res
+  rd, trd = _kernels()
+  dy_QF = dy_QF.astype(x_QD.dtype)  # the kernels take one dtype (f32 accumulation inside)
+  with no_vma_check():
+    # dx = dy @ w[g]^T: contraction over F, output columns over D.
+    dx_QD = rd.ragged_dot(dy_QF, w_GDF, group_sizes=group_sizes_G, transpose_rhs=True,
+                          **blocks.kwargs())
+    # dw[g] = x[rows of g]^T @ dy[rows of g]; empty groups written with zeros.
+    if _default_device_is_a_gpu():
+      dw_GDF = trd.transposed_ragged_dot(x_QD, dy_QF, group_sizes=group_sizes_G,
+                                         **blocks.kwargs())
+    else:  # traced off a GPU (see the module doc): the same dw, never run here
+      dw_GDF = _dw_reference(x_QD, dy_QF, group_sizes_G)
+  dx_QD, dw_GDF = vary_like(varying_axes(x_QD), dx_QD, dw_GDF.astype(w_GDF.dtype))
+  return zero_past_groups(dx_QD, group_sizes_G), dw_GDF, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _dw_reference(x_QD, dy_QF, group_sizes_G):
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(x_QD, dy_QF, group_sizes_G, dims,
+                                    preferred_element_type=jnp.float32).astype(x_QD.dtype)
+
+
+def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, blocks=None):
+  """Multiplies each group of rows by its group's matrix with JAX's Hopper kernels.
+
+  Args:
+    x_MD: bf16[M, D] or f16[M, D], rows sorted by group.
+    w_GDF: f[G, D, F], one matrix per group (cast to the dtype of `x_MD`).
+    group_sizes_G: int[G] rows per group; rows past sum(group_sizes_G) give zeros (and
+      sizes are clipped to end by M). Not differentiable.
+    preferred_element_type: dtype of y (default None: the dtype of `x_MD`). Products
+      accumulate in float32; y is rounded to x's dtype before the cast.
+    blocks: `BlockConfig` (default None: `default_blocks`).
+
+  Returns:
+    y_MF: [M, F] in `preferred_element_type`, differentiable w.r.t. `x_MD` and `w_GDF`
+    (dx and dw by the kernels too: routed FLOPs only).
+
+  Raises:
+    TypeError: `x_MD` not bfloat16/float16, non-float `w_GDF` or `preferred_element_type`,
+      non-integer group sizes.
+    ValueError: bad ranks, mismatched D or G, a `blocks` that is not a BlockConfig of
+      positive ints.
+  """
+  fn = "mosaic_gpu_gmm"
+  x_MD = _checks.float_array(fn, "x_MD", x_MD, ndim=2)
+  w_GDF = _checks.float_array(fn, "w_GDF", w_GDF, ndim=3)
+  group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
+  if x_MD.dtype not in DTYPES:
+    raise TypeError(f"{fn}: x_MD must be bfloat16 or float16, the dtypes the Mosaic GPU "
+                    f"kernels take here (got {x_MD.dtype})")
+  (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
+  if w_GDF.shape[1] != D:
+    raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D ({D})")
+  if group_sizes_G.shape != (G,):
+    raise ValueError(f"{fn}: group_sizes_G must have shape ({G},), one per group of w_GDF "
+                     f"(got {tuple(group_sizes_G.shape)})")
+  if blocks is None:
+    blocks = default_blocks(M, D, F, x_MD.dtype, num_groups=G)
+  if (not isinstance(blocks, BlockConfig)
+      or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                 for v in blocks.kwargs().values())):
+    raise ValueError(f"{fn}: blocks must be a BlockConfig of positive ints (got {blocks!r})")
+  out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None
+                        else preferred_element_type)
+  if not jnp.issubdtype(out_dtype, jnp.floating):
+    raise TypeError(f"{fn}: preferred_element_type must be a float dtype (got {out_dtype})")
+  group_sizes_G = clip_group_sizes(group_sizes_G, M)
+  x_MD, w_GDF, group_sizes_G = vary_together(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
+  Q, Dp, Fp = padded_sizes(M, D, F, blocks)
+  x_QD = jnp.pad(x_MD, ((0, Q - M), (0, Dp - D)))
+  w_GDF = jnp.pad(w_GDF, ((0, 0), (0, Dp - D), (0, Fp - F)))
+  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, blocks)
+  return y_QF[:M, :F].astype(out_dtype)
