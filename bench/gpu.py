@@ -1,22 +1,23 @@
 """Grouped matmul on one GPU: each backend against one dense matmul of the same routed FLOPs.
 
     JAX_PLATFORMS=cuda python -m bench.gpu [--repeats N] [--groups 8,32,128] [--out STEM]
+    JAX_PLATFORMS=cuda python -m bench.gpu --sweep 32,128 [--out STEM]   # block configs
 
 M=32768 rows, D=2048, F=4096, bfloat16, G groups with uniform and skewed sizes (one group
 holds half the rows, a quarter of the others are empty; `bench.gmm.group_sizes`). For each
-grouped-matmul backend that runs on a GPU ("ragged_dot": `lax.ragged_dot`; "tiled": the
-while-loop kernel; "auto": what the library picks there) and for JAX's Hopper kernels
-("mosaic_gpu": `pallas.ops.gpu.ragged_dot_mgpu` forward and dx, `transposed_ragged_dot_mgpu`
-dw, wired here by hand), it times the forward (y) and forward+backward (y, dx, dw), and one
-dense [M, D] @ [D, F] matmul (cuBLAS through XLA) with its backward: speed/dense is the dense
-time over the backend's, both medians of calls timed in turns. Nothing is estimated: every
-figure is a wall-clock time on the GPU found.
+grouped-matmul backend that runs on a GPU ("mosaic_gpu": JAX's Hopper kernels,
+`moe_shard.gmm_gpu`; "ragged_dot": `lax.ragged_dot`; "tiled": the while-loop kernel;
+"auto": what the library picks there), it times the forward (y) and forward+backward (y, dx,
+dw), and one dense [M, D] @ [D, F] matmul (cuBLAS through XLA) with its backward:
+speed/dense is the dense time over the backend's, both medians of calls timed in turns.
+`--sweep` times `mosaic_gpu_gmm` forward and forward+backward with each block config of
+`SWEEP` (uniform sizes). Nothing is estimated: every figure is a wall-clock time on the GPU
+found.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import json
 import sys
@@ -28,43 +29,22 @@ import numpy as np
 
 from bench import common
 from bench.gmm import group_sizes
+from moe_shard import gmm_gpu
 
 gmm_lib = importlib.import_module("moe_shard.grouped_matmul")
 
 M, D, F = 32768, 2048, 4096
-MGPU = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
-
-
-def _mosaic_gpu(x_MD, w_GDF, gs_G):
-  """JAX's Hopper ragged-dot kernels with a hand-written vjp (sm_90, equal dtypes)."""
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-  @jax.custom_vjp
-  def f(x, w):
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs_G, **MGPU)
-
-  def fwd(x, w):
-    return f(x, w), (x, w)
-
-  def bwd(res, dy):
-    x, w = res
-    dy = dy.astype(x.dtype)
-    dx = ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=gs_G, transpose_rhs=True, **MGPU)
-    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=gs_G, **MGPU)
-    return dx, dw
-
-  f.defvjp(fwd, bwd)
-  return f(x_MD, w_GDF)
+# (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); the first is the default.
+SWEEP = [(128, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 128, 64, 4, 4), (128, 128, 64, 5, 1),
+         (64, 128, 64, 4, 1), (64, 256, 64, 4, 1), (128, 128, 128, 2, 1)]
 
 
 def _backend(impl):
-  if impl == "mosaic_gpu":
-    return _mosaic_gpu
   return lambda x, w, gs: gmm_lib.grouped_matmul(x, w, gs, impl=impl)
 
 
-def _programs(impl):
-  mm = _backend(impl)
+def _programs(impl, mm=None):
+  mm = _backend(impl) if mm is None else mm
 
   def fwd(x, w, gs, dy):
     del dy
@@ -94,14 +74,37 @@ def _max_err(got, want):
   return float(np.max(np.abs(got - want)) / max(1.0, np.max(np.abs(want))))
 
 
-def run(groups, impls, repeats):
+def _inputs(G):
   kx, kw, kdy = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (M, D), jnp.bfloat16)
   dy = jax.random.normal(kdy, (M, F), jnp.bfloat16)
+  w = (jax.random.normal(kw, (G, D, F), jnp.float32) / np.sqrt(D)).astype(jnp.bfloat16)
+  return x, w, dy
+
+
+def _measure(row, prog, dense_prog, args, repeats, ref=None):
+  """Compiles and times one program against the dense one; errors become the row's."""
+  x, w, gs, dy = args
+  try:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(prog(*args))
+    row["compile_s"] = time.perf_counter() - t0
+    if ref is not None:
+      row["max_err_vs_first"] = _max_err(out, ref)
+    t_dense, t_impl = (t["median"] for t in common.time_in_turns(
+        [(dense_prog, (x, w[0], dy)), (prog, args)], repeats))
+    row.update(impl_ms=t_impl * 1e3, dense_ms=t_dense * 1e3, speed_vs_dense=t_dense / t_impl)
+    return out
+  except Exception as e:  # noqa: BLE001 - a backend that does not run is a row too
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+def run(groups, impls, repeats, on_row=print):
+  """Each backend at each G, uniform and skewed sizes, fwd and fwd+bwd."""
   dense = _dense()
-  rows = []
   for G in groups:
-    w = (jax.random.normal(kw, (G, D, F), jnp.float32) / np.sqrt(D)).astype(jnp.bfloat16)
+    x, w, dy = _inputs(G)
     for skew in ("uniform", "skewed"):
       gs = jnp.asarray(group_sizes(G, skew, num_rows=M))
       ref = None
@@ -109,23 +112,28 @@ def run(groups, impls, repeats):
         progs = _programs(impl)
         for mode in ("fwd", "fwd+bwd"):
           row = dict(G=G, skew=skew, impl=impl, mode=mode)
-          try:
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(progs[mode](x, w, gs, dy))
-            row["compile_s"] = time.perf_counter() - t0
-            if mode == "fwd":
-              if ref is None:
-                ref = out
-              row["max_err_vs_first"] = _max_err(out, ref)
-            t_dense, t_impl = (t["median"] for t in common.time_in_turns(
-                [(dense[mode], (x, w[0], dy)), (progs[mode], (x, w, gs, dy))], repeats))
-            row.update(impl_ms=t_impl * 1e3, dense_ms=t_dense * 1e3,
-                       speed_vs_dense=t_dense / t_impl)
-          except Exception as e:  # noqa: BLE001 - a backend that does not run is a row too
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-          rows.append(row)
-          print(_row_md(row), flush=True)
-  return rows
+          out = _measure(row, progs[mode], dense[mode], (x, w, gs, dy), repeats,
+                         ref=ref if mode == "fwd" else None)
+          if mode == "fwd" and ref is None and out is not None:
+            ref = out
+            row["max_err_vs_first"] = 0.0
+          on_row(row)
+
+
+def sweep(groups, repeats, on_row=print):
+  """`mosaic_gpu_gmm` with each block config of SWEEP, fwd and fwd+bwd, uniform sizes."""
+  dense = _dense()
+  for G in groups:
+    x, w, dy = _inputs(G)
+    gs = jnp.asarray(group_sizes(G, "uniform", num_rows=M))
+    for cfg in SWEEP:
+      progs = _programs(None, lambda x, w, gs, b=gmm_gpu.BlockConfig(*cfg):
+                        gmm_gpu.mosaic_gpu_gmm(x, w, gs, blocks=b))
+      for mode in ("fwd", "fwd+bwd"):
+        row = dict(G=G, skew="uniform", impl="mosaic_gpu " + "/".join(map(str, cfg)),
+                   mode=mode)
+        _measure(row, progs[mode], dense[mode], (x, w, gs, dy), repeats)
+        on_row(row)
 
 
 HEADER = ("| G | sizes | impl | pass | impl ms | dense ms | speed/dense | max err vs first | "
@@ -146,6 +154,8 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--groups", default="8,32,128")
   p.add_argument("--impls", default="auto,ragged_dot,mosaic_gpu,tiled")
+  p.add_argument("--sweep", default=None, metavar="GROUPS",
+                 help="instead: mosaic_gpu's block configs (SWEEP) at these G, e.g. 32,128")
   p.add_argument("--out", default=None, help="write STEM.json and STEM.md")
   a = p.parse_args(argv)
   info = common.machine_info()
@@ -153,19 +163,34 @@ def main(argv=None):
   print(f"# Grouped matmul on {info['gpu']} (JAX {info['jax']})\n", flush=True)
   print(HEADER, flush=True)
   t0 = time.perf_counter()
-  rows = run([int(g) for g in a.groups.split(",")], a.impls.split(","), a.repeats)
-  info["seconds"] = time.perf_counter() - t0
-  if a.out:
-    with open(a.out + ".json", "w") as f:
-      json.dump(dict(info=info, argv=argv, rows=rows), f, indent=1)
-    with open(a.out + ".md", "w") as f:
-      f.write(f"# Grouped matmul on one GPU: {info['gpu']}\n\n`python -m bench.gpu "
-              f"{' '.join(argv)}`\n\nMeasured (wall clock, medians of {a.repeats} calls "
-              f"timed in turns with the dense matmul) on {info['gpu']}, JAX {info['jax']}. "
-              f"M={M}, D={D}, F={F}, bfloat16. speed/dense: the time of one dense "
-              "[M, D] @ [D, F] matmul (fwd) or its fwd+bwd over the backend's. max err vs "
-              "first: the forward's largest difference from the first impl's, over max|y|."
-              "\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n")
+  rows = []
+
+  def on_row(row):  # printed and written as it comes: a run cut short keeps its rows
+    rows.append(row)
+    print(_row_md(row), flush=True)
+    info["seconds"] = time.perf_counter() - t0
+    if a.out:
+      _write(a, argv, info, rows)
+
+  if a.sweep:
+    sweep([int(g) for g in a.sweep.split(",")], a.repeats, on_row)
+  else:
+    run([int(g) for g in a.groups.split(",")], a.impls.split(","), a.repeats, on_row)
+
+
+def _write(a, argv, info, rows):
+  with open(a.out + ".json", "w") as f:
+    json.dump(dict(info=info, argv=argv, rows=rows), f, indent=1)
+  what = ("mosaic_gpu_gmm with each block config (block_m/block_n/block_k/"
+          "max_concurrent_steps/grid_block_n), uniform sizes. " if a.sweep else "")
+  with open(a.out + ".md", "w") as f:
+    f.write(f"# Grouped matmul on one GPU: {info['gpu']}\n\n`python -m bench.gpu "
+            f"{' '.join(argv)}`\n\nMeasured (wall clock, medians of {a.repeats} calls "
+            f"timed in turns with the dense matmul) on {info['gpu']}, JAX {info['jax']}. "
+            f"M={M}, D={D}, F={F}, bfloat16. {what}speed/dense: the time of one dense "
+            "[M, D] @ [D, F] matmul (fwd) or its fwd+bwd over the backend's. max err vs "
+            "first: the forward's largest difference from the first impl's, over max|y|."
+            "\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n")
 
 
 if __name__ == "__main__":
