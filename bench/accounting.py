@@ -118,11 +118,11 @@ def _layout(case):
 
 def a2a_chunks(tokens_per_device, k, num_devices, chunk_size=None):
   """(C_first, C_overflow) of the all_to_all dispatch, written out from its documented rule
-  (`moe_all_to_all`): C_first = the expected (source, destination) load T_dev*K/N rounded up
-  to a multiple of 8 (at least 8), C_overflow = C_first / 4 rounded up to a multiple of 8."""
+  (`moe_all_to_all`): C_first = 9/8 of the expected (source, destination) load T_dev*K/N
+  rounded up to a multiple of 8 (at least 8), C_overflow = C_first / 4 rounded up to a multiple of 8."""
   if chunk_size is not None:
     return (chunk_size, chunk_size) if isinstance(chunk_size, int) else tuple(chunk_size)
-  first = max(8, 8 * math.ceil(math.ceil(tokens_per_device * k / num_devices) / 8))
+  first = max(8, 8 * math.ceil(math.ceil(tokens_per_device * k / num_devices) * 9 / 64))
   return first, max(8, 8 * math.ceil(first / 4 / 8))
 
 

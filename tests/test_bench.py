@@ -77,7 +77,7 @@ def independent_rounds(experts_TK, E, mesh_shape, K, chunk_size=None):
 
   Tokens are split in order over the devices (block d on the d-th device, mesh order);
   device d sends each item to expert-axis position expert // (E / N). With T_dev tokens
-  per device: C_first = max(8, 8 * ceil(ceil(T_dev * K / N) / 8)) and C_overflow =
+  per device: C_first = max(8, 8 * ceil(ceil(T_dev * K / N) * 9 / 64)) and C_overflow =
   max(8, 8 * ceil(C_first / 4 / 8)) (an int chunk_size sets both), and
   rounds = 1 + ceil(max(0, busiest (source, destination) queue - C_first) / C_overflow).
   """
@@ -87,7 +87,7 @@ def independent_rounds(experts_TK, E, mesh_shape, K, chunk_size=None):
   busiest = max(int(np.sum((ids[d] >= 0) & (ids[d] < E) & (ids[d] // (E // N) == n)))
                 for d in range(devices) for n in range(N))
   if chunk_size is None:
-    c_first = max(8, 8 * math.ceil(math.ceil(t_dev * K / N) / 8))
+    c_first = max(8, 8 * math.ceil(math.ceil(t_dev * K / N) * 9 / 64))
     c_overflow = max(8, 8 * math.ceil(c_first / 4 / 8))
   else:
     c_first = c_overflow = chunk_size

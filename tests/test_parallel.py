@@ -156,7 +156,7 @@ def expected_chunks(tokens_per_device, K, N, chunk_size):
   if chunk_size is None:
     # The mean (source, destination) load T*K/N rounded up to a multiple of 8 (at least 8);
     # overflow rounds a quarter of that, also a multiple of 8 (at least 8).
-    first = max(8, 8 * math.ceil(math.ceil(tokens_per_device * K / N) / 8))
+    first = max(8, 8 * math.ceil(math.ceil(tokens_per_device * K / N) * 9 / 64))
     return first, max(8, 8 * math.ceil(first / 32))
   if isinstance(chunk_size, int):
     return chunk_size, chunk_size

@@ -20,17 +20,20 @@ from moe_shard.plan import (Chunks, default_capacity, default_chunks, receive_st
 
 
 @pytest.mark.parametrize("tokens, k, n, want", [
-    # mean = ceil(5 * 2 / 4) = 3 -> round up to a multiple of 8, at least 8: 8.
-    # overflow = 8 / 4 = 2 -> up to a multiple of 8, at least 8: 8.
+    # C_first = 9/8 of mean = ceil(T * K / N), rounded up to a multiple of 8, at least 8;
+    # C_overflow = C_first / 4 rounded up to a multiple of 8, at least 8.
+    # mean = ceil(5 * 2 / 4) = 3 -> 27/8 -> 8; overflow 8 / 4 = 2 -> 8.
     (5, 2, 4, Chunks(8, 8)),
-    # mean = 64 (already a multiple of 8); overflow = 64 / 4 = 16.
-    (64, 2, 2, Chunks(64, 16)),
-    # mean = ceil(100 / 3) = 34 -> 40; overflow = 40 / 4 = 10 -> 16.
+    # mean = 64 -> 72 (9/8 of it, a multiple of 8); overflow = 72 / 4 = 18 -> 24.
+    (64, 2, 2, Chunks(72, 24)),
+    # mean = ceil(100 / 3) = 34 -> 38.25 -> 40; overflow = 40 / 4 = 10 -> 16.
     (100, 1, 3, Chunks(40, 16)),
-    # One device on the expert axis: mean = 40 * 2 = 80; overflow = 80 / 4 = 20 -> 24.
-    (40, 2, 1, Chunks(80, 24)),
-    # mean = 20 -> 24; overflow = 24 / 4 = 6 -> at least 8: 8.
+    # One device on the expert axis: mean = 40 * 2 = 80 -> 90 -> 96; overflow 24.
+    (40, 2, 1, Chunks(96, 24)),
+    # mean = 20 -> 22.5 -> 24; overflow = 24 / 4 = 6 -> at least 8: 8.
     (10, 2, 1, Chunks(24, 8)),
+    # The bench's TPU layer: mean = 4096 * 2 / 8 = 1024 -> 1152; overflow 288.
+    (4096, 2, 8, Chunks(1152, 288)),
     # Tiny or empty: the floor of 8 slots.
     (1, 1, 8, Chunks(8, 8)),
     (0, 2, 4, Chunks(8, 8)),

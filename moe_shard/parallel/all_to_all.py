@@ -52,10 +52,10 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXP
       scope (`jax.set_mesh(mesh)`); without one, ValueError.
     expert_axis: name of the mesh axis experts are split over (default "expert"), or a
       tuple of names: experts split over the product of their sizes, in the order given.
-    chunk_size: None (default): C_first = the expected (source, destination) load
+    chunk_size: None (default): C_first = 9/8 of the expected (source, destination) load
       T_dev*K/N rounded up to a multiple of 8 and C_overflow = C_first/4 rounded up to a
-      multiple of 8, so padding stays near 25% under uniform routing and skew costs small
-      extra rounds. An int C uses C for every round; a pair (C_first, C_overflow) sets both.
+      multiple of 8, so uniform routing takes one round with 12.5% padding and skew costs
+      small extra rounds (`plan.default_chunks`). An int C uses C for every round; a pair (C_first, C_overflow) sets both.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
 
@@ -120,7 +120,7 @@ def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_im
     # Every device runs as many rounds as the busiest queue on the whole mesh needs.
     rounds = chunks.rounds(jax.lax.pmax(jnp.max(plan.count_N), lay.all_axes))
   ffn_L = vary_over(ffn_L, lay.other_axes)
-  # Round 0 (C_first slots per pair: the expected load) is plain JAX, differentiated by JAX
+  # Round 0 (C_first slots per pair: 9/8 of the expected load) is plain JAX, differentiated by JAX
   # with the residuals it saves; only the overflow rounds, whose count is data-dependent,
   # run in a loop whose backward replays them (`_overflow`).
   slots_NC = plan_lib.round_slots(plan, 0, chunks.first)
@@ -154,9 +154,10 @@ def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
   T, K = weights_TK.shape
   N, C = slots_NC.shape
   live_NC = slots_NC >= 0
-  item_NC = jnp.maximum(slots_NC, 0)
-  send_NCD = jnp.where(live_NC[..., None], x_TD[item_NC // K], 0)
-  ids_NC = jnp.where(live_NC, local_I[item_NC], cfg.local_experts)
+  # Rows move by scatters both ways (`local.items_to_rows`); padding slots are zeros.
+  send_SD, index = local.items_to_rows(x_TD, slots_NC.reshape(-1), K)
+  send_NCD = send_SD.reshape(N, C, -1)
+  ids_NC = jnp.where(live_NC, local_I[jnp.maximum(slots_NC, 0)], cfg.local_experts)
   # Each device sends row n of its buffers to device n and receives, from every device s,
   # the items s routes to the experts of this device.
   with jax.named_scope("dispatch"):
@@ -169,11 +170,8 @@ def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
   with jax.named_scope("return"):
     back_NCF = jax.lax.all_to_all(out_NCF, cfg.axis, 0, 0, tiled=True)
   with jax.named_scope("combine"):
-    w_NC = jnp.where(live_NC, weights_TK.reshape(-1)[item_NC], 0.0)
-    token_NC = jnp.where(live_NC, item_NC // K, T)  # padding: index T, dropped
-    contrib_TF = jnp.zeros_like(weights_TK, shape=(T, back_NCF.shape[-1]))
-    return contrib_TF.at[token_NC].add(w_NC[..., None] * back_NCF.astype(jnp.float32),
-                                       mode="drop")
+    # Each item's output (items of other rounds: none), weighted and summed over K.
+    return local.rows_to_tokens(back_NCF.reshape(N * C, -1), index, weights_TK)
 
 
 def _local_experts(cfg, x_MD, ids_M, ffn_L):
@@ -181,10 +179,14 @@ def _local_experts(cfg, x_MD, ids_M, ffn_L):
   dtype of x (products accumulate in float32)."""
   x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
   order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, cfg.local_experts)
+  rank_M = local.inverse_permutation(order_M)
   matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_L, impl=cfg.gmm_impl,
                              preferred_element_type=x_MD.dtype)
-  y_MF = ffn_L(x_MD[order_M], matmul)
-  return y_MF[local.inverse_permutation(order_M)]
+  # Sorted even for one local expert: padding rows go last, past the group, and
+  # XLA:TPU's ragged-dot backward fails to compile when its one group is all M rows
+  # (RET_CHECK in mask_aggregator.cc, libtpu 0.0.42.1).
+  y_MF = ffn_L(local.move_rows(x_MD, rank_M, order_M), matmul)
+  return local.move_rows(y_MF, order_M, rank_M)
 
 
 def _loop_overflow(cfg, plan, rounds, step, acc):

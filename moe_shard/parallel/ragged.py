@@ -229,13 +229,13 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
     rounds = rows.rounds(jax.lax.pmax(received, lay.all_axes))
   ffn_L = vary_over(ffn_L, lay.other_axes)
   with jax.named_scope("permute"):
-    x_ID = x_TD[order_I // K]  # sorted by (destination, expert); invalid items last
+    # Sorted by (destination, expert), invalid items last; moved by scatters both ways.
+    x_ID, index = local.items_to_rows(x_TD, order_I, K)
   y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0, rows.first)
   y_IF = y_IF + _ragged_overflow(cfg, x_ID, ffn_L, q, rounds)
   with jax.named_scope("combine"):
-    y_TKF = y_IF[local.inverse_permutation(order_I)].reshape(T, K, -1)
     weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)
-    y_TF = jnp.einsum("tk,tkf->tf", weights_TK, y_TKF.astype(jnp.float32))
+    y_TF = local.rows_to_tokens(y_IF, index, weights_TK)
   stats = dict(
       rounds=rounds.astype(jnp.int32),
       sent_items=jnp.sum(count_NL)[None].astype(jnp.int32),
@@ -275,8 +275,8 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
                        flat(recv_SL))
   with jax.named_scope("local_experts"):
     matmul = functools.partial(grouped_matmul, group_sizes_G=jnp.sum(recv_SL, axis=0),
-                               impl=cfg.gmm_impl, preferred_element_type=jnp.float32)
-    out_CF = ffn_L(recv_CD, matmul).astype(x_ID.dtype)  # rows past the received: zeros
+                               impl=cfg.gmm_impl, preferred_element_type=x_ID.dtype)
+    out_CF = ffn_L(recv_CD, matmul)  # rows past the received: zeros
   # Each device returns the outputs to the sorted positions their items came from.
   with jax.named_scope("return"):
     if y_IF is None:
