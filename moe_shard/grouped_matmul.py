@@ -10,10 +10,9 @@ max_tile, min_tile) -> [M, F]` (products accumulated in float32, the result writ
   * "tiled" (`gmm_tiled.py`): power-of-two row tiles in group-major `while_loop`s, routed
     FLOPs plus bounded padding, forward and backward, on any platform. The CPU backend.
   * "megablox" (`gmm_tpu.py`): JAX's megablox Pallas kernels (gmm forward and dx, tgmm dw):
-    routed FLOPs forward and backward on TPU, by name (`gmm_impl="megablox"`; see
-    `PLATFORM_BACKENDS` for why "auto" does not take it yet). bfloat16 and float32 only;
-    other dtypes, and a single group, take "ragged_dot". Named explicitly, it runs anywhere: off TPU in Pallas
-    interpret mode (slow; for tests).
+    routed FLOPs forward and backward, the TPU backend. bfloat16 and float32 only; other
+    dtypes, and a single group, take "ragged_dot". Named explicitly, it runs anywhere: off
+    TPU in Pallas interpret mode (slow; for tests).
   * "mosaic_gpu" (`gmm_gpu.py`): JAX's Mosaic GPU Pallas kernels for Hopper (ragged_dot
     forward and dx, transposed_ragged_dot dw): routed FLOPs forward and backward, the CUDA
     backend. bfloat16 and float16 only (y rounded to x's dtype before the cast to
@@ -94,12 +93,14 @@ def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
 
 BACKENDS = {"megablox": megablox, "mosaic_gpu": mosaic_gpu, "ragged_dot": ragged_dot,
             "tiled": tiled}
-# TPU takes lax.ragged_dot, not megablox: `platform_dependent` traces every branch, and
-# megablox's group metadata fails shard_map's varying-axes check when JAX transforms a
-# `lax.scan` over all_to_all layers (scan-over-layers training). gmm_impl="megablox" opts in.
+# TPU takes megablox (one group: lax.ragged_dot). `platform_dependent` traces its branch on
+# every host; megablox's group metadata would fail shard_map's varying-axes check when JAX
+# transforms a `lax.scan` over layers (scan-over-layers training), so the dispatches' own
+# shard_maps run without that check (`parallel.common.shard_map`). Inside a user's own
+# shard_map with the check on, under such a scan, pass gmm_impl="ragged_dot".
 # CUDA takes "mosaic_gpu": its kernels trace on any host (off a GPU its dw traces as
 # lax.ragged_dot_general, see gmm_gpu), in shard_map and in scan-over-layers training.
-PLATFORM_BACKENDS = {"tpu": "ragged_dot", "cuda": "mosaic_gpu"}
+PLATFORM_BACKENDS = {"tpu": "megablox", "cuda": "mosaic_gpu"}
 DEFAULT_BACKEND = "tiled"
 IMPLS = ("auto", *BACKENDS)
 

@@ -177,6 +177,38 @@ def test_compiles_for_tpu_in_shard_map():
   assert [f for f, _ in kernel_costs(text)] == [2 * 128**3] * 3
 
 
+@pytest.mark.parametrize("impl", ["all_to_all", "ragged_all_to_all", "all_gather"])
+def test_default_tpu_backend_in_scan_over_layers_training(impl):
+  """Scan-over-layers training, compiled (not run) for 8 v5e chips with the default
+  gmm_impl: "auto" takes megablox on TPU, whose group metadata fails shard_map's
+  varying-axes check when JAX transforms the scan (the reason the dispatches' shard_maps
+  run without it). The step must compile and hold megablox's kernels."""
+  pytest.importorskip("libtpu")
+  import moe_shard as ms
+  from jax.experimental import topologies
+  devs = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices
+  mesh = jax.sharding.Mesh(np.array(devs).reshape(4, 2), ("expert", "data"))
+  cfg = ms.MoEConfig(d_model=128, d_ff=128, num_experts=8, top_k=2, impl=impl,
+                     param_dtype="bfloat16")
+  shapes = jax.eval_shape(lambda k: ms.init_moe_params(k, cfg), jax.random.key(0))
+  specs = ms.moe_param_specs(cfg)
+  sds = lambda a, spec: jax.ShapeDtypeStruct(  # noqa: E731 - two layers stacked
+      (2,) + a.shape, a.dtype, sharding=NamedSharding(mesh, P(None, *spec)))
+  params = jax.tree.map(sds, shapes, specs)
+  x = jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P(("expert", "data"))))
+
+  def loss(params, x):
+    def block(x, p):
+      y, aux = ms.moe_layer(p, x, cfg, mesh)
+      return x + y, aux["aux_loss"]
+    x, aux = jax.lax.scan(block, x, params)
+    return jnp.sum(x.astype(jnp.float32)) + jnp.sum(aux)
+
+  text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+  assert 'custom_call_target="tpu_custom_call"' in text  # megablox's kernels
+
+
 # --- the tiling rule ------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from moe_shard import _checks, local
 from moe_shard.remat import MOE_DISPATCH_RECV
 from moe_shard.sharding import (EXPERT, resolve_mesh, trim, vary_over)
 
-from moe_shard.parallel.common import _prepare
+from moe_shard.parallel.common import _prepare, shard_map
 
 
 # --------------------------------------------------------------------------- all_gather
@@ -61,9 +61,8 @@ def _all_gather_jit(x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl):
       "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis)
   body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
   tok = lay.token_spec
-  y_TF = jax.shard_map(body, mesh=mesh,
-                       in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
-                       out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
+  y_TF = shard_map(body, mesh, in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
+                  out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
   return trim(y_TF, mesh, lay.tokens)
 
 

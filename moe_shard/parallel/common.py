@@ -61,6 +61,24 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
   return lay, x_TD, ffn, experts_TK, weights_TK
 
 
+def shard_map(body, mesh, in_specs, out_specs):
+  """`jax.shard_map` of a dispatch body, with JAX's varying-axes check off.
+
+  Why off: the TPU grouped matmul (megablox, `gmm_tpu.py`) builds its group metadata by
+  concatenating a constant with the per-device group sizes. Traced inside the body that
+  passes, but when JAX later transforms the traced body again (a `lax.scan` over layers
+  under `jax.grad`: scan-over-layers training) the check rejects the concatenate ("varying
+  manual axes must match"), and with it the TPU's default backend. Without the check JAX
+  transposes the body as shard_map did before it had one: a replicated input's cotangent is
+  summed over the axes it is replicated on. What the check would catch (an out_spec that
+  claims a value is replicated) the bodies rule out by construction: every replicated
+  output is a psum or pmax. tests/test_layer_oracle.py checks every gradient on meshes
+  with a data axis against finite differences.
+  """
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)
+
+
 def run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats):
   """Runs a dispatch body under shard_map on placed inputs: (y_TF, stats) or y_TF.
 
@@ -69,8 +87,8 @@ def run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, retur
   `stats["invalid_ids"]`: they are not the caller's.
   """
   tok = lay.token_spec
-  y_TF, stats = jax.shard_map(
-      body, mesh=lay.mesh,
+  y_TF, stats = shard_map(
+      body, lay.mesh,
       in_specs=(tok, jax.tree.map(lambda _: P(lay.expert_axis), ffn), tok, tok),
       out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
   y_TF = trim(y_TF, lay.mesh, lay.tokens)
