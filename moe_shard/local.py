@@ -128,7 +128,7 @@ def move_rows(x_RD, to_R, from_S):
   Written `out[to[r]] = x[r]` forward, and its transpose `dx[from[s]] = dout[s]` backward:
   both directions are row scatters, never row gathers. Compiled for TPU, XLA's cost model
   charges a gather of [8192, 2048] bf16 rows 436 MB of HBM traffic (6.5x the bytes it moves)
-  and the same scatter 168 MB (`bench/results/tpu_v5e_2x4_layer.md`); a plain `x[from]`
+  and the same scatter 168 MB (`python -m bench.tpu_costs`); a plain `x[from]`
   would also transpose to a scatter-add but run the forward as a gather.
 
   Args:

@@ -61,8 +61,9 @@ def _all_gather_jit(x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl):
       "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis)
   body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
   tok = lay.token_spec
-  y_TF = shard_map(body, mesh, in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
-                  out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
+  y_TF = shard_map(body, mesh,
+                   in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
+                   out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
   return trim(y_TF, mesh, lay.tokens)
 
 

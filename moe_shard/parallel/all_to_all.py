@@ -55,7 +55,8 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXP
     chunk_size: None (default): C_first = 9/8 of the expected (source, destination) load
       T_dev*K/N rounded up to a multiple of 8 and C_overflow = C_first/4 rounded up to a
       multiple of 8, so uniform routing takes one round with 12.5% padding and skew costs
-      small extra rounds (`plan.default_chunks`). An int C uses C for every round; a pair (C_first, C_overflow) sets both.
+      small extra rounds (`plan.default_chunks`). An int C uses C for every round; a pair
+      (C_first, C_overflow) sets both.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
 
@@ -120,9 +121,9 @@ def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_im
     # Every device runs as many rounds as the busiest queue on the whole mesh needs.
     rounds = chunks.rounds(jax.lax.pmax(jnp.max(plan.count_N), lay.all_axes))
   ffn_L = vary_over(ffn_L, lay.other_axes)
-  # Round 0 (C_first slots per pair: 9/8 of the expected load) is plain JAX, differentiated by JAX
-  # with the residuals it saves; only the overflow rounds, whose count is data-dependent,
-  # run in a loop whose backward replays them (`_overflow`).
+  # Round 0 (C_first slots per pair: 9/8 of the expected load) is plain JAX, differentiated
+  # by JAX with the residuals it saves; only the overflow rounds, whose count is
+  # data-dependent, run in a loop whose backward replays them (`_overflow`).
   slots_NC = plan_lib.round_slots(plan, 0, chunks.first)
   y_TF = _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I)
   y_TF = y_TF + _overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
