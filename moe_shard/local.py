@@ -180,9 +180,9 @@ def rows_to_tokens(y_SF, index, weights_TK):
   kt_S, row_KT = index
   T, K = weights_TK.shape
   y_KTF = move_rows(y_SF, kt_S, row_KT).reshape(K, T, -1)
-  # A weighted sum, not an einsum: XLA would count a [T, K] x [K, T, F] contraction as a
-  # matmul (the benchmark's executed FLOPs count only the experts' matmuls as dots).
-  return jnp.sum(weights_TK.T[:, :, None] * y_KTF.astype(jnp.float32), axis=0)
+  # An einsum (a dot over K), not a broadcast product and a sum: compiled for TPU v5e
+  # (E=8 layer fwd+bwd) XLA counts 1.2 GB fewer HBM bytes for it.
+  return jnp.einsum("tk,ktf->tf", weights_TK, y_KTF, preferred_element_type=jnp.float32)
 
 
 def _scatter_rows(x_RD, to_R, rows):
