@@ -47,9 +47,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moe_shard import _checks
-from moe_shard.gmm_pallas import (clip_group_sizes, no_vma_check, round_up, vary_like,
-                                  vary_together, zero_past_groups)
+from moe_shard.gmm_pallas import (check_inputs, clip_group_sizes, no_vma_check, round_up,
+                                  vary_like, vary_together, zero_past_groups)
 from moe_shard.sharding import varying_axes
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # what the kernels' warpgroup MMAs take here
@@ -185,18 +184,9 @@ def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, b
       positive ints.
   """
   fn = "mosaic_gpu_gmm"
-  x_MD = _checks.float_array(fn, "x_MD", x_MD, ndim=2)
-  w_GDF = _checks.float_array(fn, "w_GDF", w_GDF, ndim=3)
-  group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
-  if x_MD.dtype not in DTYPES:
-    raise TypeError(f"{fn}: x_MD must be bfloat16 or float16, the dtypes the Mosaic GPU "
-                    f"kernels take here (got {x_MD.dtype})")
+  x_MD, w_GDF, group_sizes_G = check_inputs(fn, x_MD, w_GDF, group_sizes_G, DTYPES,
+                                            "the Mosaic GPU kernels")
   (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
-  if w_GDF.shape[1] != D:
-    raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D ({D})")
-  if group_sizes_G.shape != (G,):
-    raise ValueError(f"{fn}: group_sizes_G must have shape ({G},), one per group of w_GDF "
-                     f"(got {tuple(group_sizes_G.shape)})")
   if blocks is None:
     blocks = default_blocks(M, D, F, x_MD.dtype, num_groups=G)
   if (not isinstance(blocks, BlockConfig)

@@ -19,7 +19,32 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
+from moe_shard import _checks
 from moe_shard.sharding import varying_axes
+
+
+def check_inputs(fn, x_MD, w_GDF, group_sizes_G, dtypes, kernels):
+  """The argument checks both kernel backends share; returns (x_MD, w_GDF, group_sizes_G).
+
+  Raises:
+    TypeError: `x_MD` not one of `dtypes` (what `kernels` take), non-float `w_GDF`,
+      non-integer group sizes.
+    ValueError: bad ranks, mismatched D or G.
+  """
+  x_MD = _checks.float_array(fn, "x_MD", x_MD, ndim=2)
+  w_GDF = _checks.float_array(fn, "w_GDF", w_GDF, ndim=3)
+  group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
+  if x_MD.dtype not in dtypes:
+    names = " or ".join(jnp.dtype(d).name for d in dtypes)
+    raise TypeError(f"{fn}: x_MD must be {names}, the dtypes {kernels} take "
+                    f"(got {x_MD.dtype})")
+  D, G = x_MD.shape[1], w_GDF.shape[0]
+  if w_GDF.shape[1] != D:
+    raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D ({D})")
+  if group_sizes_G.shape != (G,):
+    raise ValueError(f"{fn}: group_sizes_G must have shape ({G},), one per group of w_GDF "
+                     f"(got {tuple(group_sizes_G.shape)})")
+  return x_MD, w_GDF, group_sizes_G
 
 
 def round_up(n, multiple):

@@ -36,9 +36,8 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from moe_shard import _checks
-from moe_shard.gmm_pallas import (clip_group_sizes, no_vma_check, round_up, vary_like,
-                                  vary_together, zero_past_groups)
+from moe_shard.gmm_pallas import (check_inputs, clip_group_sizes, no_vma_check, round_up,
+                                  vary_like, vary_together, zero_past_groups)
 from moe_shard.sharding import varying_axes as _varying_axes
 
 # The kernel module, not `megablox.gmm` (the package re-exports ops.gmm under that name).
@@ -162,18 +161,9 @@ def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, til
     ValueError: bad ranks, mismatched D or G, bad tiling.
   """
   fn = "megablox_gmm"
-  x_MD = _checks.float_array(fn, "x_MD", x_MD, ndim=2)
-  w_GDF = _checks.float_array(fn, "w_GDF", w_GDF, ndim=3)
-  group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
-  if x_MD.dtype not in DTYPES:
-    raise TypeError(f"{fn}: x_MD must be bfloat16 or float32, the dtypes megablox "
-                    f"supports (got {x_MD.dtype})")
+  x_MD, w_GDF, group_sizes_G = check_inputs(fn, x_MD, w_GDF, group_sizes_G, DTYPES,
+                                            "megablox's kernels")
   (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
-  if w_GDF.shape[1] != D:
-    raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D ({D})")
-  if group_sizes_G.shape != (G,):
-    raise ValueError(f"{fn}: group_sizes_G must have shape ({G},), one per group of w_GDF "
-                     f"(got {tuple(group_sizes_G.shape)})")
   if tiling is None:
     tiling = default_tiling(M, D, F, x_MD.dtype, num_groups=G)
   if (not isinstance(tiling, (tuple, list)) or len(tiling) != 3

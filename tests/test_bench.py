@@ -290,16 +290,16 @@ def test_tpu_estimates_use_cited_peaks():
   devs = tpu.devices("v5e:2x4")
   assert len(devs) == 8 and "TPU" in devs[0].device_kind
   mesh = bench_run.make_mesh(None, devs)
-  # E=16 on 8 chips: 2 experts per chip (one would take lax.ragged_dot, exact for one group).
+  # E=16 on 8 chips: 2 experts per chip (one takes lax.ragged_dot, exact for one group).
   case = progs.make_case("kernel", 16, "uniform", dataclasses.replace(SMALL, dtype="bfloat16"),
                          mesh, abstract=True)
   compiled = progs.programs(case, "all_to_all")["fwd"].lower(*case.args).compile()
   trips = impls.IMPLS["all_to_all"].accounting(case, on_tpu=True).trips
   assert set(trips[0]) == {"a2a_overflow_rounds"}
-  # grouped_matmul's "auto" picked TPU's native ragged dot, not the tiled kernel's loops.
+  # grouped_matmul's "auto" picked megablox's TPU kernels, not the tiled kernel's loops.
   scopes = {lp.scope() for lp in measure.parse_hlo(compiled.as_text()).loops}
   assert scopes == {"a2a_overflow_rounds"}
-  assert "ragged-dot" in compiled.as_text()
+  assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
   flops = measure.executed_flops(compiled, trips[0])
   est = tpu.estimates(compiled, flops, 1e6, "v5e:2x4")
   assert est["xla_optimal_s"] > 0
