@@ -184,8 +184,8 @@ def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, b
       positive ints.
   """
   fn = "mosaic_gpu_gmm"
-  x_MD, w_GDF, group_sizes_G = check_inputs(fn, x_MD, w_GDF, group_sizes_G, DTYPES,
-                                            "the Mosaic GPU kernels")
+  x_MD, w_GDF, group_sizes_G, out_dtype = check_inputs(
+      fn, x_MD, w_GDF, group_sizes_G, DTYPES, "the Mosaic GPU kernels", preferred_element_type)
   (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
   if blocks is None:
     blocks = default_blocks(M, D, F, x_MD.dtype, num_groups=G)
@@ -193,10 +193,6 @@ def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, b
       or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
                  for v in blocks.kwargs().values())):
     raise ValueError(f"{fn}: blocks must be a BlockConfig of positive ints (got {blocks!r})")
-  out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None
-                        else preferred_element_type)
-  if not jnp.issubdtype(out_dtype, jnp.floating):
-    raise TypeError(f"{fn}: preferred_element_type must be a float dtype (got {out_dtype})")
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
   x_MD, w_GDF, group_sizes_G = vary_together(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
   Q, Dp, Fp = padded_sizes(M, D, F, blocks)

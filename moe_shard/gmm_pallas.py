@@ -23,12 +23,13 @@ from moe_shard import _checks
 from moe_shard.sharding import varying_axes
 
 
-def check_inputs(fn, x_MD, w_GDF, group_sizes_G, dtypes, kernels):
-  """The argument checks both kernel backends share; returns (x_MD, w_GDF, group_sizes_G).
+def check_inputs(fn, x_MD, w_GDF, group_sizes_G, dtypes, kernels, preferred_element_type):
+  """The argument checks both kernel backends share; returns (x_MD, w_GDF, group_sizes_G,
+  out_dtype), out_dtype `preferred_element_type` or, for None, the dtype of `x_MD`.
 
   Raises:
-    TypeError: `x_MD` not one of `dtypes` (what `kernels` take), non-float `w_GDF`,
-      non-integer group sizes.
+    TypeError: `x_MD` not one of `dtypes` (what `kernels` take), non-float `w_GDF` or
+      `preferred_element_type`, non-integer group sizes.
     ValueError: bad ranks, mismatched D or G.
   """
   x_MD = _checks.float_array(fn, "x_MD", x_MD, ndim=2)
@@ -44,7 +45,11 @@ def check_inputs(fn, x_MD, w_GDF, group_sizes_G, dtypes, kernels):
   if group_sizes_G.shape != (G,):
     raise ValueError(f"{fn}: group_sizes_G must have shape ({G},), one per group of w_GDF "
                      f"(got {tuple(group_sizes_G.shape)})")
-  return x_MD, w_GDF, group_sizes_G
+  out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None
+                        else preferred_element_type)
+  if not jnp.issubdtype(out_dtype, jnp.floating):
+    raise TypeError(f"{fn}: preferred_element_type must be a float dtype (got {out_dtype})")
+  return x_MD, w_GDF, group_sizes_G, out_dtype
 
 
 def round_up(n, multiple):

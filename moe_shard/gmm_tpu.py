@@ -161,8 +161,8 @@ def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, til
     ValueError: bad ranks, mismatched D or G, bad tiling.
   """
   fn = "megablox_gmm"
-  x_MD, w_GDF, group_sizes_G = check_inputs(fn, x_MD, w_GDF, group_sizes_G, DTYPES,
-                                            "megablox's kernels")
+  x_MD, w_GDF, group_sizes_G, out_dtype = check_inputs(
+      fn, x_MD, w_GDF, group_sizes_G, DTYPES, "megablox's kernels", preferred_element_type)
   (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
   if tiling is None:
     tiling = default_tiling(M, D, F, x_MD.dtype, num_groups=G)
@@ -172,10 +172,6 @@ def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, til
     raise ValueError(f"{fn}: tiling must be (tm, tk, tn), positive ints, tm a multiple of "
                      f"8, tk and tn multiples of {LANES} (got {tiling!r})")
   tm, tk, tn = tiling = tuple(tiling)
-  out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None
-                        else preferred_element_type)
-  if not jnp.issubdtype(out_dtype, jnp.floating):
-    raise TypeError(f"{fn}: preferred_element_type must be a float dtype (got {out_dtype})")
   # Sizes that end by M: rows past M (and the padding below) belong to no group.
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
   x_MD, w_GDF, group_sizes_G = vary_together(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
