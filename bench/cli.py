@@ -17,6 +17,10 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
     their ratio to the cost model's lower bound T_dev*K*(N-1)/N*(D + F_out)*bytes (x2 for
     forward+backward).
   temp MiB: temp memory per device (`memory_analysis()`).
+  --tpu only: roofline = max(compute, HBM, ICI) per device, from executed FLOPs, HBM bytes
+    and bytes sent over the chip's peaks; HBM GB: XLA's "bytes accessed" as XLA counts it
+    (loop bodies once) / with loop bodies times their trip counts (`bench/hbm.py`), the
+    second being the one the roofline uses.
   rounds: all_to_all dispatch rounds; dropped: (token, slot) items the capacity-factor
     baseline drops (the others are dropless).
 """

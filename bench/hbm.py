@@ -7,9 +7,20 @@ runs (loop bodies scaled by their trip counts, as `measure.executed_flops` does)
 move no data (parameters, tuples, bitcasts, the control flow itself) count zero; an async
 copy or slice counts once, at its `-done`, as the data it moves read and written. This is
 the model behind XLA's "bytes accessed" (`cost_analysis()`), written out per op so that the
-big ones can be named; XLA's own total is reported beside it. An in-place update (a
-dynamic-update-slice into a loop carry) is counted whole here, so the model over-counts
-such ops: read their rows as an upper bound.
+big ones can be named; XLA's own total is reported beside it. A Pallas TPU kernel
+(`tpu_custom_call`, e.g. megablox's) counts the bytes it declares in its cost estimate, as
+XLA does. An in-place update (a dynamic-update-slice into a loop carry) is counted whole
+here, so the model over-counts such ops: read their rows as an upper bound.
+
+Executed bytes (`executed_bytes`). XLA's cost analysis visits every computation once, so a
+`while_loop` body counts once whatever its trip count: once too few for a loop that runs
+twice, once too many for one that never runs (the dispatches' overflow rounds under even
+routing). The same rule as `measure.executed_flops` corrects it, with this module's bytes
+for the body:
+
+    executed = cost_analysis()["bytes accessed"] + sum_ops bytes(op) * (runs(op) - 1)
+
+(only ops in loop bodies have runs != 1).
 
     python -m bench --tpu v5e:2x4 --hbm-table 15 ...
 """
@@ -20,6 +31,8 @@ import collections
 import re
 
 from bench import measure
+
+_DECLARED_RE = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"')
 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
          "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
@@ -60,8 +73,9 @@ def _kernel_computations(mod):
 def op_bytes(compiled_or_text, trip_counts=None):
   """Per-op HBM bytes of one run: a list of dicts, largest first.
 
-  Each: scope (named-scope path), opcode, name, shape (result type), runs (executions),
-  read and written (bytes per run), total (bytes over the run).
+  Each: scope (named-scope path), opcode, name, shape (result type), runs (executions; 0
+  for the ops of a loop that never runs), read and written (bytes per run), total (bytes
+  over the run).
   """
   mod = measure._module(compiled_or_text)
   runs = mod.executions(trip_counts, default_trip_count=1)
@@ -71,12 +85,16 @@ def op_bytes(compiled_or_text, trip_counts=None):
     instrs = mod.comps.get(comp, ())
     types = {ins.name: ins.type for ins in instrs}
     for ins in instrs:
-      if ins.opcode in _FREE or n == 0:
+      if ins.opcode in _FREE:
         continue
       if ins.opcode.endswith("-start"):
         continue  # an async op's data moves at its -done (its result tuple holds the source)
+      declared = _DECLARED_RE.search(ins.attrs) if ins.opcode == "custom-call" else None
       if ins.opcode in ("copy-done", "slice-done"):  # the slice or copy: read, then written
         read = written = measure.shape_bytes(ins.type)
+      elif declared and 'custom_call_target="tpu_custom_call"' in ins.attrs:
+        written = measure.shape_bytes(ins.type)
+        read = max(float(declared.group(1)) - written, 0.0)
       else:
         read = sum(measure.shape_bytes(types.get(o, "")) for o in ins.operands)
         written = measure.shape_bytes(ins.type)
@@ -84,6 +102,21 @@ def op_bytes(compiled_or_text, trip_counts=None):
                        shape=ins.type.split("{")[0], runs=n, read=read, written=written,
                        total=n * (read + written)))
   return sorted(rows, key=lambda r: -r["total"])
+
+
+def executed_bytes(compiled, trip_counts=None):
+  """HBM bytes one run of `compiled` accesses, loop bodies times their trip counts.
+
+  executed = XLA's "bytes accessed" + sum over ops of bytes per run * (runs - 1); see the
+  module docstring. A loop with no trip count known or given counts once (as XLA does).
+
+  Returns:
+    dict: "executed" (that), "xla" (XLA's figure, bodies once).
+  """
+  xla = measure.bytes_accessed(compiled)
+  rows = op_bytes(compiled, trip_counts)
+  return {"executed": xla + sum((r["read"] + r["written"]) * (r["runs"] - 1) for r in rows),
+          "xla": xla}
 
 
 def by_scope(rows, depth=2):
@@ -94,14 +127,15 @@ def by_scope(rows, depth=2):
   return out.most_common()
 
 
-def table(compiled, trip_counts=None, top=15, xla_bytes=None):
-  """A Markdown report: the total, per-scope totals and the `top` ops."""
-  rows = op_bytes(compiled, trip_counts)
+def table(compiled, trip_counts=None, top=15):
+  """A Markdown report: the totals, per-scope totals and the `top` ops."""
+  rows = [r for r in op_bytes(compiled, trip_counts) if r["total"] > 0]
   total = sum(r["total"] for r in rows)
+  xla = executed_bytes(compiled, trip_counts)
   gb = 1e9
-  lines = [f"HBM bytes by this model: {total / gb:.2f} GB per device per step"
-           + (f" (XLA's bytes accessed, loops scaled: {xla_bytes / gb:.2f} GB)"
-              if xla_bytes else "") + "\n",
+  lines = [f"HBM bytes by this model: {total / gb:.2f} GB per device per step (XLA's bytes "
+           f"accessed: {xla['xla'] / gb:.2f} GB with loop bodies once, "
+           f"{xla['executed'] / gb:.2f} GB with loop bodies times their trip counts)\n",
            "| scope | GB | share |", "|---|---|---|"]
   lines += [f"| {s} | {b / gb:.3f} | {b / total:.1%} |" for s, b in by_scope(rows)[:top]]
   lines += ["", "| op | scope | shape | runs | GB | share |", "|---|---|---|---|---|---|"]

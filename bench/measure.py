@@ -79,12 +79,22 @@ def compile_fn(fn, *args, **jit_kwargs):
   return jax.jit(fn, **jit_kwargs).lower(*args).compile()
 
 
-def cost_flops(compiled):
-  """XLA's FLOP count (`cost_analysis()["flops"]`); loop bodies counted once."""
+def _cost(compiled):
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
     cost = cost[0]
-  return float(cost.get("flops", 0.0))
+  return cost
+
+
+def cost_flops(compiled):
+  """XLA's FLOP count (`cost_analysis()["flops"]`); loop bodies counted once."""
+  return float(_cost(compiled).get("flops", 0.0))
+
+
+def bytes_accessed(compiled):
+  """XLA's memory-traffic count (`cost_analysis()["bytes accessed"]`); loop bodies counted
+  once (`bench.hbm.executed_bytes` scales them)."""
+  return float(_cost(compiled).get("bytes accessed", 0.0))
 
 
 def memory_bytes(compiled):

@@ -21,7 +21,7 @@ def table(rows):
   tpu = any("topology" in r for r in rows)
   if tpu:
     head = ("| level | T | E | routing | mode | impl | XLA est. ms | XLA est. ms, loops scaled | "
-            "roofline ms (compute/HBM/ICI) | eff. | flops x | MiB/dev | x bound "
+            "roofline ms (compute/HBM/ICI) | HBM GB (XLA/loops scaled) | eff. | flops x | MiB/dev | x bound "
             "(uniform/routing) | HBM temp MiB | rounds | dropped | compile s |")
   else:
     head = ("| level | T | E | routing | mode | impl | median ms (min-max) | GFLOP/s | eff. | "
@@ -44,8 +44,10 @@ def table(rows):
     if tpu:
       roof = (f"{_ms(r['roofline_s'])} ({_ms(r['compute_s'])}/{_ms(r['hbm_s'])}/"
               f"{_ms(r['ici_s'])})" if "roofline_s" in r else "-")
+      hbm = (f"{r['hbm_bytes_xla'] / 1e9:.1f}/{r['hbm_bytes_accessed'] / 1e9:.1f}"
+             if "hbm_bytes_xla" in r else "-")
       out.append(common + f"| {_ms(r['xla_optimal_s'])} | {_ms(r['xla_optimal_scaled_s'])} | "
-                 f"{roof} " + tail + f"| {r['compile_s']:.1f} |")
+                 f"{roof} | {hbm} " + tail + f"| {r['compile_s']:.1f} |")
     else:
       t = r["time_s"]
       err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
@@ -134,7 +136,7 @@ CSV_FIELDS = ("level", "impl", "E", "routing", "mode", "T", "D", "F", "K", "dtyp
               "bytes_over_bound", "bytes_over_routing_bound", "temp_bytes", "rounds", "dropped", "max_abs_err",
               "efficiency",
               "topology", "xla_optimal_s", "xla_optimal_scaled_s", "roofline_s",
-              "compute_s", "hbm_s", "ici_s", "error")
+              "compute_s", "hbm_s", "ici_s", "hbm_bytes_xla", "hbm_bytes_accessed", "error")
 
 
 def to_csv(rows):

@@ -142,7 +142,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         compile_s = time.perf_counter() - t0
         bar.step(f"compiled {level} E={E} {routing} {impl} {mode}")
         passes = 1 if mode == "fwd" else 3
-        executed, busiest = _executed_flops(compiled, trips)
+        executed, busiest, busiest_trips = _executed_flops(compiled, trips)
         # Every device sends the same slots in every round: device 0's counts serve.
         coll = _counted(measure.collective_bytes, compiled, trips[0])
         approx = bool(coll.pop("loop_counted_once", False) or busiest.get("loop_counted_once"))
@@ -164,11 +164,11 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
                    rounds=rounds, dropped=dropped,
                    **({"loop_counted_once": True} if approx else {}))
         if tpu_topology:
-          row.update(tpu.estimates(compiled, busiest, wire, tpu_topology))
+          from bench import hbm
+          row.update(tpu.estimates(compiled, busiest, wire, tpu_topology,
+                                   hbm.executed_bytes(compiled, busiest_trips)))
           if a.hbm_table:
-            from bench import hbm
-            row["hbm_table"] = hbm.table(compiled, trips[0], top=a.hbm_table,
-                                         xla_bytes=row["hbm_bytes_accessed"])
+            row["hbm_table"] = hbm.table(compiled, busiest_trips, top=a.hbm_table)
           bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
         else:
           timed.append((compiled, args, row))
@@ -221,8 +221,9 @@ def _counted(fn, compiled, trips):
 
 
 def _executed_flops(compiled, trips):
-  """(FLOPs executed summed over devices, `executed_flops` of the busiest device), from
-  each device's trip counts (devices with equal counts share one evaluation)."""
+  """(FLOPs executed summed over devices, `executed_flops` of the busiest device, its trip
+  counts), from each device's trip counts (devices with equal counts share one
+  evaluation)."""
   from bench import measure
   by_counts = {}
   for t in trips:
@@ -230,8 +231,8 @@ def _executed_flops(compiled, trips):
     if key not in by_counts:
       by_counts[key] = _counted(measure.executed_flops, compiled, t)
   per_device = [by_counts[tuple(sorted(t.items()))] for t in trips]
-  return (sum(f["executed"] for f in per_device),
-          max(per_device, key=lambda f: f["executed"]))
+  i = max(range(len(trips)), key=lambda d: per_device[d]["executed"])
+  return sum(f["executed"] for f in per_device), per_device[i], trips[i]
 
 
 def _errors(case, rows, timed, kept):

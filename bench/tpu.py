@@ -48,7 +48,7 @@ def devices(topology):
   return list(topo.devices)
 
 
-def estimates(compiled, flops, wire_bytes, topology):
+def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None):
   """XLA's TPU cost estimate and a roofline, per device, in seconds.
 
   Args:
@@ -56,18 +56,20 @@ def estimates(compiled, flops, wire_bytes, topology):
     flops: `measure.executed_flops(compiled, trip_counts)` of one device.
     wire_bytes: collective bytes one device sends (loops scaled).
     topology: e.g. "v5e:2x4".
+    hbm_bytes: `bench.hbm.executed_bytes(compiled, trip_counts)` of one device (default
+      None: XLA's figure, loop bodies once).
 
   Returns:
     dict: xla_optimal_s (cost_analysis()["optimal_seconds"]; XLA visits each while body
     once; None when XLA could not cost an instruction); xla_optimal_scaled_s (that estimate times executed FLOPs / XLA's FLOPs, i.e.
     loop bodies counted once per iteration, assuming time in proportion to FLOPs); and, for
     a chip with cited peaks, roofline_s = max(compute_s, hbm_s, ici_s): executed FLOPs over
-    peak FLOP/s, XLA's "bytes accessed" (bodies once) over HBM bandwidth, bytes sent over
-    ICI bandwidth.
+    peak FLOP/s, HBM bytes (XLA's "bytes accessed" with loop bodies times their trip
+    counts; hbm_bytes_accessed) over HBM bandwidth, bytes sent over ICI bandwidth.
+    hbm_bytes_xla is XLA's own figure (bodies once).
   """
-  ca = compiled.cost_analysis()
-  if isinstance(ca, list):  # older JAX: one dict per program
-    ca = ca[0]
+  from bench import measure
+  ca = measure._cost(compiled)
   opt = float(ca.get("optimal_seconds", -1.0))
   # XLA adds -1 s for each instruction it cannot cost (seen: the transposes of TPU's
   # ragged-dot kernel in a backward pass); such a total is no estimate.
@@ -75,7 +77,9 @@ def estimates(compiled, flops, wire_bytes, topology):
   out = {"xla_optimal_s": opt,
          "xla_optimal_scaled_s": (None if opt is None else
                                   opt * flops["executed"] / max(flops["xla"], 1.0)),
-         "hbm_bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+         "hbm_bytes_xla": float(ca.get("bytes accessed", 0.0))}
+  out["hbm_bytes_accessed"] = (out["hbm_bytes_xla"] if hbm_bytes is None
+                               else hbm_bytes["executed"])
   peak = PEAKS.get(generation(topology))
   if peak is not None:
     out["compute_s"] = flops["executed"] / peak["flops"]

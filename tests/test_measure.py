@@ -267,3 +267,44 @@ def test_pallas_tpu_kernel_flops_are_its_declared_cost():
           '"bytes_accessed":"855638016"}}}')
   assert measure.custom_call_flops(line) == 137438953472.0
   assert measure.custom_call_flops('custom_call_target="SomethingElse"') == 0.0
+
+
+def _copy_loop(x, count):
+  """A named loop whose body reads and writes one [M, K] f32 buffer per step."""
+  with jax.named_scope("copy_steps"):
+    return jax.lax.while_loop(lambda s: s[0] < count,
+                              lambda s: (s[0] + 1, jnp.sin(s[1]) * 2.0), (0, x))[1]
+
+
+@pytest.mark.parametrize("trips", [0, 1, 5])
+def test_executed_bytes_scale_loop_bodies_by_their_trip_counts(trips):
+  from bench import hbm
+  M, K = 128, 256
+  compiled = measure.compile_fn(_copy_loop, _spec((M, K)), _spec((), jnp.int32))
+  got = hbm.executed_bytes(compiled, {"copy_steps": trips})
+  assert got["xla"] == measure.bytes_accessed(compiled) > 0
+  # The body's kernel reads and writes M*K f32 per step (plus the 4-byte counter): XLA
+  # counts it once, whatever the trip count.
+  step = 2 * 4 * M * K
+  assert got["executed"] - got["xla"] == pytest.approx((trips - 1) * step, rel=0.01)
+  (body,) = [r for r in hbm.op_bytes(compiled, {"copy_steps": trips})
+              if r["written"] == 4 * M * K and r["scope"].startswith("copy_steps")]
+  assert body["runs"] == trips and body["total"] == trips * step
+  # The table lists no op of a loop that never runs.
+  text = hbm.table(compiled, {"copy_steps": trips}, top=20)
+  assert (body["name"] in text) == (trips > 0)
+
+
+def test_pallas_tpu_kernel_bytes_are_its_declared_cost():
+  from bench import hbm
+  text = """HloModule m
+
+ENTRY %main (p0: bf16[512,256], p1: bf16[2,256,128]) -> bf16[512,128] {
+  %p0 = bf16[512,256]{1,0} parameter(0)
+  %p1 = bf16[2,256,128]{2,1,0} parameter(1)
+  ROOT %gmm.1 = bf16[512,128]{1,0} custom-call(%p0, %p1), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"cost_estimate":{"flops":"33554432","transcendentals":"0","bytes_accessed":"1000000","remote_bytes_transferred":"0"}}}
+}
+"""
+  (row,) = hbm.op_bytes(text)
+  assert row["read"] + row["written"] == 1_000_000
+  assert row["written"] == 512 * 128 * 2
