@@ -14,7 +14,7 @@ from moe_shard import _checks, local, plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.balance import expert_load
 from moe_shard.remat import MOE_DISPATCH_RECV
-from moe_shard.sharding import (EXPERT, axis_size, resolve_mesh, vary_over, zeros_varying)
+from moe_shard.sharding import EXPERT, axis_size, resolve_mesh, vary_over
 
 from moe_shard.parallel.common import _prepare, run_on_mesh
 
@@ -36,9 +36,10 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXP
   the busiest queue on the mesh is empty; the count is computed on device (no host sync,
   no dropped token). Buffers are per round, never `[N, T, D]`.
 
-  Backward: round 0 is differentiated by JAX (its residuals saved, no recompute); the overflow
-  rounds, a loop of data-dependent length, have a `custom_vjp` that replays each of them:
-  each round's gradient is the same dispatch reversed.
+  Backward (one `custom_vjp`): round 0's vjp from the residuals its forward saved (no
+  recompute), then a loop that replays each overflow round (a loop of data-dependent length
+  keeps no residuals) and adds its gradient into round 0's in place: each round's gradient
+  is the same dispatch reversed.
 
   Args:
     x_TD: f[T, D] tokens (global shape; split over every mesh axis inside).
@@ -121,12 +122,7 @@ def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_im
     # Every device runs as many rounds as the busiest queue on the whole mesh needs.
     rounds = chunks.rounds(jax.lax.pmax(jnp.max(plan.count_N), lay.all_axes))
   ffn_L = vary_over(ffn_L, lay.other_axes)
-  # Round 0 (C_first slots per pair: 9/8 of the expected load) is plain JAX, differentiated
-  # by JAX with the residuals it saves; only the overflow rounds, whose count is
-  # data-dependent, run in a loop whose backward replays them (`_overflow`).
-  slots_NC = plan_lib.round_slots(plan, 0, chunks.first)
-  y_TF = _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I)
-  y_TF = y_TF + _overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
+  y_TF = _rounds(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
   sent = jnp.sum(plan.count_N)
   stats = dict(
       rounds=rounds.astype(jnp.int32),
@@ -205,38 +201,40 @@ def _loop_overflow(cfg, plan, rounds, step, acc):
     return jax.lax.while_loop(cond, body, (jnp.ones((), jnp.int32), acc))[1]
 
 
-def _zeros_like_tree(tree):
-  """Zeros shaped and varying like each leaf (loop carries inside shard_map)."""
-  return jax.tree.map(lambda a: zeros_varying(a.shape, a.dtype, a), tree)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
-  """Sum of `_round` over the overflow rounds: f32[T, F] (zeros when there are none).
+def _rounds(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
+  """Sum of `_round` over every round: f32[T, F].
 
-  Differentiable in x, ffn and weights: the backward replays each round's vjp.
+  Round 0 (C_first slots per pair: 9/8 of the expected load) runs as plain JAX; the
+  overflow rounds, whose count is data-dependent, run in a `while_loop` that adds into its
+  output. Backward: round 0's vjp from the residuals its forward saved, then a loop that
+  replays each overflow round's vjp and adds it into round 0's gradients in place (no
+  zero-filled parameter-sized buffers, no sum of two gradients, when the loop never runs).
   """
-  y0_TF = zeros_varying((x_TD.shape[0], ffn_L.d_out), jnp.float32, x_TD, weights_TK)
   run = functools.partial(_round, cfg, x_TD, ffn_L, weights_TK, local_I=local_I)
-  return _loop_overflow(cfg, plan, rounds, lambda acc, s: acc + run(slots_NC=s), y0_TF)
+  y_TF = run(slots_NC=plan_lib.round_slots(plan, 0, cfg.chunks.first))
+  return _loop_overflow(cfg, plan, rounds, lambda acc, s: acc + run(slots_NC=s), y_TF)
 
 
-def _overflow_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
-  y = _overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
-  return y, (x_TD, ffn_L, weights_TK, plan, local_I, rounds)
+def _rounds_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
+  slots_NC = plan_lib.round_slots(plan, 0, cfg.chunks.first)
+  y_TF, vjp0 = jax.vjp(lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I),
+                       x_TD, ffn_L, weights_TK)
+  run = functools.partial(_round, cfg, x_TD, ffn_L, weights_TK, local_I=local_I)
+  y_TF = _loop_overflow(cfg, plan, rounds, lambda acc, s: acc + run(slots_NC=s), y_TF)
+  return y_TF, (vjp0, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
 
 
-def _overflow_bwd(cfg, res, dy_TF):
-  x_TD, ffn_L, weights_TK, plan, local_I, rounds = res
+def _rounds_bwd(cfg, res, dy_TF):
+  vjp0, x_TD, ffn_L, weights_TK, plan, local_I, rounds = res
 
   def add(acc, slots_NC):
     _, vjp = jax.vjp(
         lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I), x_TD, ffn_L, weights_TK)
     return jax.tree.map(jnp.add, acc, vjp(dy_TF))
 
-  dx, dffn, dw = _loop_overflow(cfg, plan, rounds, add,
-                                _zeros_like_tree((x_TD, ffn_L, weights_TK)))
+  dx, dffn, dw = _loop_overflow(cfg, plan, rounds, add, vjp0(dy_TF))
   return dx, dffn, dw, None, None, None
 
 
-_overflow.defvjp(_overflow_fwd, _overflow_bwd)
+_rounds.defvjp(_rounds_fwd, _rounds_bwd)
