@@ -109,9 +109,11 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_a
   padding on the wire. The rows arrive grouped by local expert, the grouped matmul runs on
   them, and a second `ragged_all_to_all` returns the outputs to the sorted positions they
   came from; the combine with the weights follows the last round. Round 0 runs outside any
-  loop (JAX differentiates it, through the primitive's own transpose); while some device
-  has more to receive, a `while_loop` runs further rounds (count from a `pmax`, no host
-  sync), differentiated by a `custom_vjp` that replays each round's exchange reversed.
+  loop; while some device has more to receive, a `while_loop` runs further rounds (count
+  from a `pmax`, no host sync) that write into round 0's output. One `custom_vjp`
+  differentiates them: round 0's vjp from its saved residuals (through the primitive's own
+  transpose), then a loop that replays each later round's exchange reversed and adds its
+  gradient into round 0's in place.
 
   On platforms whose XLA has no ragged-all-to-all (CPU), the exchange is an emulation with
   the same semantics built from `lax.all_to_all` of padded buffers
@@ -231,8 +233,7 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
   with jax.named_scope("permute"):
     # Sorted by (destination, expert), invalid items last; moved by scatters both ways.
     x_ID, index = local.items_to_rows(x_TD, order_I, K)
-  y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0, rows.first)
-  y_IF = y_IF + _ragged_overflow(cfg, x_ID, ffn_L, q, rounds)
+  y_IF = _ragged_rounds(cfg, x_ID, ffn_L, q, rounds)
   with jax.named_scope("combine"):
     weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)
     y_TF = local.rows_to_tokens(y_IF, index, weights_TK)
@@ -285,39 +286,49 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
                     flat(send_NL))
 
 
+def _overflow_loop(cfg, rounds, step, acc):
+  """Folds `step(r, acc)` over the overflow rounds r = 1 .. rounds - 1."""
+  # Named so that the benchmark can scale the loop body by rounds - 1.
+  with jax.named_scope(RAGGED_SCOPE):
+    return jax.lax.while_loop(lambda c: c[0] < rounds, lambda c: (c[0] + 1, step(*c)),
+                              (jnp.ones((), jnp.int32), acc))[1]
+
+
+def _later_round(cfg, x_ID, ffn_L, q, r, y_IF=None):
+  return _ragged_round(cfg, x_ID, ffn_L, q, cfg.rows.start(r), cfg.rows.overflow, y_IF)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged_overflow(cfg, x_ID, ffn_L, q, rounds):
-  """Rounds 1 .. rounds - 1 of `_ragged_round`: f[I, F] (zeros when there are none)."""
-  def body(carry):
-    r, y_IF = carry
-    return r + 1, _ragged_round(cfg, x_ID, ffn_L, q, cfg.rows.start(r), cfg.rows.overflow,
-                                y_IF)
+def _ragged_rounds(cfg, x_ID, ffn_L, q, rounds):
+  """Every round of `_ragged_round`: f[I, F], each item's output at its sorted position.
 
-  y_IF = zeros_varying((x_ID.shape[0], ffn_L.d_out), x_ID.dtype, x_ID)
-  # Named so that measure.collective_bytes can scale the loop body by rounds - 1.
-  with jax.named_scope(RAGGED_SCOPE):
-    return jax.lax.while_loop(lambda c: c[0] < rounds, body,
-                              (jnp.ones((), jnp.int32), y_IF))[1]
-
-
-def _ragged_overflow_fwd(cfg, x_ID, ffn_L, q, rounds):
-  return _ragged_overflow(cfg, x_ID, ffn_L, q, rounds), (x_ID, ffn_L, q, rounds)
+  Round 0 (C rows) runs as plain JAX; the overflow rounds (C_overflow rows each), whose
+  count is data-dependent, run in a `while_loop` that writes into round 0's output.
+  Backward: round 0's vjp from the residuals its forward saved, then a loop that replays
+  each overflow round's vjp and adds it into round 0's gradients in place.
+  """
+  y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0, cfg.rows.first)
+  return _overflow_loop(cfg, rounds,
+                        lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
 
 
-def _ragged_overflow_bwd(cfg, res, dy_IF):
-  x_ID, ffn_L, q, rounds = res
+def _ragged_rounds_fwd(cfg, x_ID, ffn_L, q, rounds):
+  y_IF, vjp0 = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, 0, cfg.rows.first),
+                       x_ID, ffn_L)
+  y_IF = _overflow_loop(cfg, rounds,
+                        lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
+  return y_IF, (vjp0, x_ID, ffn_L, q, rounds)
 
-  def body(carry):
-    r, acc = carry
-    _, vjp = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, cfg.rows.start(r),
-                                                cfg.rows.overflow), x_ID, ffn_L)
-    return r + 1, jax.tree.map(jnp.add, acc, vjp(dy_IF))
 
-  zeros = jax.tree.map(jnp.zeros_like, (x_ID, ffn_L))
-  with jax.named_scope(RAGGED_SCOPE):
-    dx, dffn = jax.lax.while_loop(lambda c: c[0] < rounds, body,
-                                  (jnp.ones((), jnp.int32), zeros))[1]
+def _ragged_rounds_bwd(cfg, res, dy_IF):
+  vjp0, x_ID, ffn_L, q, rounds = res
+
+  def add(r, acc):
+    _, vjp = jax.vjp(lambda x, f: _later_round(cfg, x, f, q, r), x_ID, ffn_L)
+    return jax.tree.map(jnp.add, acc, vjp(dy_IF))
+
+  dx, dffn = _overflow_loop(cfg, rounds, add, vjp0(dy_IF))
   return dx, dffn, None, None
 
 
-_ragged_overflow.defvjp(_ragged_overflow_fwd, _ragged_overflow_bwd)
+_ragged_rounds.defvjp(_ragged_rounds_fwd, _ragged_rounds_bwd)
