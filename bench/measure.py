@@ -336,7 +336,8 @@ def _counted_loop_trips(loop, comps):
 
   Recognises `i = a; while (i < n) {...; i = i + s}` on one tuple element, a, n and s
   constants (s > 0): the condition's root compares that element with n (LT), the while's
-  initial tuple holds a there and the body's root tuple holds element + s. Such loops come
+  initial tuple holds a there and the body's root tuple holds element + s (the element
+  possibly seen through a copy). Such loops come
   from XLA itself, e.g. the TPU partitioner's windowed einsums.
   """
   def by_name(comp):
@@ -352,7 +353,10 @@ def _counted_loop_trips(loop, comps):
       return None
     return int(ins.args)
 
-  def element(ins):
+  def element(ins, instrs=None):
+    while (instrs and ins is not None and ins.opcode in ("copy", "bitcast")
+           and ins.operands):
+      ins = instrs.get(ins.operands[0])
     m = re.search(r"\bindex=(\d+)", ins.attrs) if ins is not None else None
     return int(m.group(1)) if m and ins.opcode == "get-tuple-element" else None
 
@@ -388,8 +392,8 @@ def _counted_loop_trips(loop, comps):
   if opcode != "add" or len(operands) != 2:
     return None
   a, b = operands
-  step = (constant(b, body_ins) if element(a) == k else
-          constant(a, body_ins) if element(b) == k else None)
+  step = (constant(b, body_ins) if element(a, body_ins) == k else
+          constant(a, body_ins) if element(b, body_ins) == k else None)
   if not step or step < 1:
     return None
   return max(0, -(-(limit - start) // step))

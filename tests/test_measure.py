@@ -260,6 +260,41 @@ def test_counted_loop_without_annotation_gets_its_trip_count(start, stop):
   assert lp.known_trip_count == stop - start
 
 
+def test_counted_loop_whose_counter_is_copied_gets_its_trip_count():
+  """Seen in megablox's group metadata on TPU: the body adds the step to a copy of the
+  counter (`add(copy(get-tuple-element(p), index=0), 1)`)."""
+  text = """HloModule m
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (q: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %q = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %c = s32[] copy(%i)
+  %one = s32[] constant(1)
+  %next = s32[] add(%c, %one)
+  %x = f32[4] get-tuple-element(%q), index=1
+  %y = f32[4] sine(%x)
+  ROOT %t = (s32[], f32[4]) tuple(%next, %y)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4] parameter(0)
+  %z = s32[] constant(1)
+  %init = (s32[], f32[4]) tuple(%z, %a)
+  %w = (s32[], f32[4]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[4] get-tuple-element(%w), index=1
+}
+"""
+  (lp,) = measure.parse_hlo(text).loops
+  assert lp.known_trip_count == 4
+
+
 def test_pallas_tpu_kernel_flops_are_its_declared_cost():
   """A tpu_custom_call is not a dot: its FLOPs come from the cost it declares."""
   line = ('custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
