@@ -32,7 +32,8 @@ def table(rows):
     common = (f"| {r['level']} | {r['T']} | {r['E']} | {r['routing']} | {r['mode']} | "
               f"{r['impl']} ")
     if "error" in r:
-      out.append(common + f"| did not compile: {r['error']} |" + " |" * (head.count("|") - 8))
+      why = r["error"] if r["error"].startswith("not run") else f"did not compile: {r['error']}"
+      out.append(common + f"| {why} |" + " |" * (head.count("|") - 8))
       continue
     bound = "/".join(f"{r[k]:.2f}" if r.get(k) is not None else "-"
                      for k in ("bytes_over_bound", "bytes_over_routing_bound"))

@@ -141,6 +141,10 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
           continue
         compile_s = time.perf_counter() - t0
         bar.step(f"compiled {level} E={E} {routing} {impl} {mode}")
+        short = None if tpu_topology else _host_memory_short(compiled)
+        if short:  # simulated devices share the host's memory: running would be killed
+          case_rows.append(dict(base, error=short))
+          continue
         passes = 1 if mode == "fwd" else 3
         executed, busiest, busiest_trips = _executed_flops(compiled, trips)
         # Every device sends the same slots in every round: device 0's counts serve.
@@ -202,6 +206,27 @@ def _efficiency(rows):
     t = seconds(r) if "error" not in r else None
     if limit.get(r["mode"]) and t:
       r["efficiency"] = limit[r["mode"]] / t
+
+
+def _host_memory_short(compiled, fraction=0.75):
+  """Why running `compiled` on this host's simulated CPU devices would exhaust its memory,
+  or None: temp + argument + output bytes per device (`memory_analysis()`) times the local
+  devices, against `fraction` of the memory available now (Linux `sysconf`; None where it
+  is unknown)."""
+  import jax
+  from bench import measure
+  if jax.default_backend() != "cpu":
+    return None
+  try:
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+  mem = measure.memory_bytes(compiled)
+  need = (mem["temp"] + mem["argument"] + mem["output"]) * jax.local_device_count()
+  if need <= fraction * avail:
+    return None
+  return (f"not run: needs {need / 2**30:.1f} GiB of host memory for "
+          f"{jax.local_device_count()} simulated devices, {avail / 2**30:.1f} GiB available")
 
 
 def _one_line(err):
