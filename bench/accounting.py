@@ -116,13 +116,20 @@ def _layout(case):
           device_loads(case.experts_TK, case.E, n_dev))
 
 
+def _padded_load(mean):
+  """mean + 4 * sqrt(mean) rounded up to a multiple of 8, at least 8: the dispatches'
+  documented default buffer rule (`plan.padded_load`), written out again here."""
+  return max(8, 8 * math.ceil((mean + math.ceil(4 * math.sqrt(mean))) / 8))
+
+
 def a2a_chunks(tokens_per_device, k, num_devices, chunk_size=None):
   """(C_first, C_overflow) of the all_to_all dispatch, written out from its documented rule
-  (`moe_all_to_all`): C_first = 9/8 of the expected (source, destination) load T_dev*K/N
-  rounded up to a multiple of 8 (at least 8), C_overflow = C_first / 4 rounded up to a multiple of 8."""
+  (`moe_all_to_all`): C_first = the expected (source, destination) load T_dev*K/N plus
+  4 * sqrt of it, rounded up to a multiple of 8 (at least 8), C_overflow = C_first / 4
+  rounded up to a multiple of 8."""
   if chunk_size is not None:
     return (chunk_size, chunk_size) if isinstance(chunk_size, int) else tuple(chunk_size)
-  first = max(8, 8 * math.ceil(math.ceil(tokens_per_device * k / num_devices) * 9 / 64))
+  first = _padded_load(math.ceil(tokens_per_device * k / num_devices))
   return first, max(8, 8 * math.ceil(first / 4 / 8))
 
 
@@ -163,11 +170,12 @@ def all_to_all(case, on_tpu=False):
 
 def ragged_capacity(tokens_per_device, k, capacity=None):
   """(C, C_overflow): receive-buffer rows of the ragged dispatch's round 0 and later rounds,
-  written out from its documented rule (`moe_ragged_all_to_all`): C = 1.25 * T_dev*K rounded
-  up to a multiple of 8 (at least 8), C_overflow = C / 4 rounded up to a multiple of 8."""
+  written out from its documented rule (`moe_ragged_all_to_all`): C = T_dev*K plus 4 * sqrt
+  of it, rounded up to a multiple of 8 (at least 8), C_overflow = C / 4 rounded up to a
+  multiple of 8."""
   if capacity is not None:
     return capacity, capacity
-  first = max(8, 8 * math.ceil(1.25 * tokens_per_device * k / 8))
+  first = _padded_load(tokens_per_device * k)
   return first, max(8, 8 * math.ceil(first / 4 / 8))
 
 

@@ -77,9 +77,9 @@ class MoEConfig:
     chunk_size: `chunk_size` of `moe_all_to_all`: None (default), an int C (stored as
       (C, C)), or a pair (C_first, C_overflow).
     recv_capacity: receive-buffer rows per device of the "ragged_all_to_all" dispatch
-      (`moe_ragged_all_to_all`'s `capacity`): None (default; round 0 1.25 times the
-      expected load T_dev*K rounded up to a multiple of 8, later rounds a quarter of that)
-      or an int >= 1 (every round). More to receive than fits takes more rounds, never drops.
+      (`moe_ragged_all_to_all`'s `capacity`): None (default; round 0 the expected load
+      T_dev*K plus 4 * sqrt of it, rounded up to a multiple of 8, later rounds a quarter of
+      that) or an int >= 1 (every round). More to receive than fits takes more rounds, never drops.
     gmm_impl: grouped-matmul backend of the sorting dispatches (`grouped_matmul`'s `impl`):
       "auto" (default; by the platform compiled for, `grouped_matmul.PLATFORM_BACKENDS`),
       "ragged_dot" or "tiled".

@@ -41,15 +41,16 @@ class Chunks:
 def default_chunks(tokens, k, num_devices, chunk_size=None):
   """Chooses the slot counts of the dispatch rounds.
 
-  With `chunk_size=None`, round 0 carries 9/8 of the expected load of a (source,
-  destination) pair under uniform routing, `9/8 * ceil(T*K/N)` rounded up to a multiple of 8,
-  and overflow rounds a quarter of that rounded up to a multiple of 8 (so at least 8). Under
-  uniform routing the busiest pair exceeds the mean by a few standard deviations
-  (sqrt(T*K/N)), which the 1/8 margin covers at the sizes that matter (T*K/N = 1024: 4
-  standard deviations), so uniform routing runs one round with 12.5% padding and no overflow
-  round; a skewed routing costs one extra small round per C_overflow items of excess on the
-  busiest pair, not a doubling of every buffer. (Every round moves rows between [K, T, D]
-  item buffers and the slots, O(T*K*D) bytes whatever its slot count: a round saved is
+  With `chunk_size=None`, round 0 carries the expected load of a (source, destination) pair
+  under uniform routing plus a margin of 4 standard deviations, `padded_load(ceil(T*K/N))`:
+  mean + 4 * sqrt(mean), rounded up to a multiple of 8 (T*K/N = 1024: 1152, 9/8 of it;
+  256: 320). Under uniform random routing a pair's load has a standard deviation below
+  sqrt(mean), and the busiest of the N^2 pairs exceeds the mean by about 2.5 of them, so
+  uniform routing runs one round with little padding. Overflow rounds carry a quarter of
+  C_first, rounded up to a multiple of 8 (so at least 8): a skewed routing costs one extra
+  small round per C_overflow items of excess on the busiest pair, not a doubling of every
+  buffer. (Every round moves rows between [K, T, D] item buffers and the slots, O(T*K*D)
+  bytes whatever its slot count, and runs every grouped matmul again: a round saved is
   worth more than its slots.)
 
   Args:
@@ -67,10 +68,16 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
   """
   chunk_size = _checks.chunk_size_field("moe_all_to_all", chunk_size)
   if chunk_size is None:
-    mean = math.ceil(tokens * k / num_devices)
-    first = max(8, 8 * -(-9 * mean // 64))  # 9/8 of the mean, rounded up to 8s
+    first = padded_load(math.ceil(tokens * k / num_devices))
     return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
   return Chunks(*chunk_size)
+
+
+def padded_load(mean):
+  """A buffer for a load of `mean` items on average under uniform random routing: mean + 4 *
+  sqrt(mean), rounded up to a multiple of 8, at least 8 (1024 -> 1152; 256 -> 320; 10 -> 24).
+  """
+  return max(8, 8 * math.ceil((mean + math.ceil(4 * math.sqrt(mean))) / 8))
 
 
 @jax.tree_util.register_dataclass
@@ -164,20 +171,17 @@ def round_counts(count_N, chunks, rounds):
 # moves the window [start_r, start_r + C_r) of every device's receive order into its C_r-row
 # buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
 
-RECV_FACTOR = 1.25  # default receive buffer: this times the expected load T*K, in rows
-
-
 def default_capacity(tokens, k, capacity=None):
   """Rows of the ragged dispatch's receive buffers per device: round 0's, then the others'.
 
   Args:
     tokens: T tokens per device (static).
     k: K slots per token.
-    capacity: None (default): round 0 takes `RECV_FACTOR` (1.25) times the expected load
-      T*K (every device receives T*K items on average), rounded up to a multiple of 8, at
-      least 8; the overflow rounds a quarter of that, rounded up to a multiple of 8 (so a
-      round that never runs under uniform routing reserves little memory). An int C >= 1:
-      C rows in every round.
+    capacity: None (default): round 0 takes the expected load T*K (every device receives
+      T*K items on average) plus 4 standard deviations, `padded_load(T*K)` (8192 -> 8560,
+      1.045x; 2048 -> 2232); the overflow rounds a quarter of that, rounded up to a multiple
+      of 8 (so a round that never runs under uniform routing reserves little memory). An
+      int C >= 1: C rows in every round.
 
   Returns:
     `Chunks(first, overflow)`: the rows of round 0 and of each later round.
@@ -188,7 +192,7 @@ def default_capacity(tokens, k, capacity=None):
   if capacity is not None:
     c = _checks.int_field("moe_ragged_all_to_all", "capacity", capacity, 1)
     return Chunks(c, c)
-  first = max(8, 8 * math.ceil(RECV_FACTOR * tokens * k / 8))
+  first = padded_load(tokens * k)
   return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
 
 

@@ -202,8 +202,9 @@ def expected_rounds(experts_TK, cfg, mesh):
   busiest = max(int(np.sum((ids_SI[s] >= 0) & (ids_SI[s] // (E // N) == n)))
                 for s in range(n_dev) for n in range(N))
   chunk = cfg.chunk_size
-  if chunk is None:  # 9/8 of the mean queue T_dev * K / N rounded up to 8s; a quarter of it
-    first = max(8, 8 * math.ceil(math.ceil(ids_SI.shape[1] / N) * 9 / 64))
+  if chunk is None:  # the mean queue T_dev*K/N + 4 sqrt of it, up to 8s; a quarter of it
+    mean = math.ceil(ids_SI.shape[1] / N)
+    first = max(8, 8 * math.ceil((mean + math.ceil(4 * math.sqrt(mean))) / 8))
     overflow = max(8, 8 * math.ceil(first / 4 / 8))
   else:
     first, overflow = (chunk, chunk) if isinstance(chunk, int) else chunk

@@ -154,9 +154,10 @@ def check_forward(fn, ref, err_msg=""):
 def expected_chunks(tokens_per_device, K, N, chunk_size):
   """(C_first, C_overflow) by the documented rule, computed independently of `plan`."""
   if chunk_size is None:
-    # The mean (source, destination) load T*K/N rounded up to a multiple of 8 (at least 8);
-    # overflow rounds a quarter of that, also a multiple of 8 (at least 8).
-    first = max(8, 8 * math.ceil(math.ceil(tokens_per_device * K / N) * 9 / 64))
+    # The mean (source, destination) load T*K/N plus 4 * sqrt of it, rounded up to a
+    # multiple of 8 (at least 8); overflow rounds a quarter of that, also a multiple of 8.
+    mean = math.ceil(tokens_per_device * K / N)
+    first = max(8, 8 * math.ceil((mean + math.ceil(4 * math.sqrt(mean))) / 8))
     return first, max(8, 8 * math.ceil(first / 32))
   if isinstance(chunk_size, int):
     return chunk_size, chunk_size
@@ -217,8 +218,10 @@ def test_matches_references(name, mesh_name, routing):
   if name == "all_to_all":
     want = check_stats(stats, ref.case[2], SHAPE["E"], m)
     if routing == "one_expert" and m.shape[ms.EXPERT] > 1:
-      # 10 items per device to one destination, 8 slots in round 0: an overflow round ran.
-      assert want["rounds"] == 2
+      # 10 items per device to one destination. N = 8: round 0 has 8 slots (mean 2 + 6),
+      # so an overflow round ran (gradients through it included); N <= 4: 16 slots (mean
+      # 3 + 7), one round. test_chunk_sizes runs many overflow rounds.
+      assert want["rounds"] == (2 if m.shape[ms.EXPERT] == 8 else 1)
 
 
 @pytest.mark.parametrize("routing", MAIN_ROUTINGS)

@@ -20,19 +20,22 @@ from moe_shard.plan import (Chunks, default_capacity, default_chunks, receive_st
 
 
 @pytest.mark.parametrize("tokens, k, n, want", [
-    # C_first = 9/8 of mean = ceil(T * K / N), rounded up to a multiple of 8, at least 8;
-    # C_overflow = C_first / 4 rounded up to a multiple of 8, at least 8.
-    # mean = ceil(5 * 2 / 4) = 3 -> 27/8 -> 8; overflow 8 / 4 = 2 -> 8.
-    (5, 2, 4, Chunks(8, 8)),
-    # mean = 64 -> 72 (9/8 of it, a multiple of 8); overflow = 72 / 4 = 18 -> 24.
-    (64, 2, 2, Chunks(72, 24)),
-    # mean = ceil(100 / 3) = 34 -> 38.25 -> 40; overflow = 40 / 4 = 10 -> 16.
-    (100, 1, 3, Chunks(40, 16)),
-    # One device on the expert axis: mean = 40 * 2 = 80 -> 90 -> 96; overflow 24.
-    (40, 2, 1, Chunks(96, 24)),
-    # mean = 20 -> 22.5 -> 24; overflow = 24 / 4 = 6 -> at least 8: 8.
-    (10, 2, 1, Chunks(24, 8)),
-    # The bench's TPU layer: mean = 4096 * 2 / 8 = 1024 -> 1152; overflow 288.
+    # C_first = mean + ceil(4 * sqrt(mean)), mean = ceil(T * K / N), rounded up to a
+    # multiple of 8, at least 8; C_overflow = C_first / 4 rounded up to a multiple of 8,
+    # at least 8.
+    # mean = ceil(5 * 2 / 4) = 3 -> 3 + 7 = 10 -> 16; overflow 16 / 4 = 4 -> 8.
+    (5, 2, 4, Chunks(16, 8)),
+    # mean = 64 -> 64 + 32 = 96 (a multiple of 8); overflow = 96 / 4 = 24.
+    (64, 2, 2, Chunks(96, 24)),
+    # mean = ceil(100 / 3) = 34 -> 34 + 24 = 58 -> 64; overflow = 64 / 4 = 16.
+    (100, 1, 3, Chunks(64, 16)),
+    # One device on the expert axis: mean = 40 * 2 = 80 -> 80 + 36 = 116 -> 120; 30 -> 32.
+    (40, 2, 1, Chunks(120, 32)),
+    # mean = 20 -> 20 + 18 = 38 -> 40; overflow = 40 / 4 = 10 -> 16.
+    (10, 2, 1, Chunks(40, 16)),
+    # The bench's CPU layer: mean = 1024 * 2 / 8 = 256 -> 256 + 64 = 320; overflow 80.
+    (1024, 2, 8, Chunks(320, 80)),
+    # The bench's TPU layer: mean = 4096 * 2 / 8 = 1024 -> 1024 + 128 = 1152; overflow 288.
     (4096, 2, 8, Chunks(1152, 288)),
     # Tiny or empty: the floor of 8 slots.
     (1, 1, 8, Chunks(8, 8)),
@@ -277,13 +280,13 @@ def test_round_counts_rejects(count, rounds, err, match):
 
 
 @pytest.mark.parametrize("tokens, k, capacity, want", [
-    # 1.25 * 10 = 12.5 -> up to a multiple of 8: 16; overflow 16 / 4 = 4 -> at least 8.
-    (5, 2, None, Chunks(16, 8)),
-    # 1.25 * 128 = 160, already a multiple of 8; overflow 160 / 4 = 40.
-    (64, 2, None, Chunks(160, 40)),
-    # The benchmark's T_dev = 32768 / 8, K = 2: 10240; overflow 2560.
-    (4096, 2, None, Chunks(10240, 2560)),
-    (1, 1, None, Chunks(8, 8)),  # 1.25 -> the floor of 8 rows
+    # T*K = 10 -> 10 + ceil(4 * 3.16) = 23 -> 24; overflow 24 / 4 = 6 -> at least 8.
+    (5, 2, None, Chunks(24, 8)),
+    # 128 -> 128 + ceil(45.25) = 174 -> 176; overflow 176 / 4 = 44 -> 48.
+    (64, 2, None, Chunks(176, 48)),
+    # The benchmark's T_dev = 32768 / 8, K = 2: 8192 + 363 = 8555 -> 8560; overflow 2140 -> 2144.
+    (4096, 2, None, Chunks(8560, 2144)),
+    (1, 1, None, Chunks(8, 8)),  # 1 + 4 -> the floor of 8 rows
     (0, 2, None, Chunks(8, 8)),
     (40, 2, 3, Chunks(3, 3)),  # an explicit capacity: every round
 ])

@@ -53,10 +53,11 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXP
       scope (`jax.set_mesh(mesh)`); without one, ValueError.
     expert_axis: name of the mesh axis experts are split over (default "expert"), or a
       tuple of names: experts split over the product of their sizes, in the order given.
-    chunk_size: None (default): C_first = 9/8 of the expected (source, destination) load
-      T_dev*K/N rounded up to a multiple of 8 and C_overflow = C_first/4 rounded up to a
-      multiple of 8, so uniform routing takes one round with 12.5% padding and skew costs
-      small extra rounds (`plan.default_chunks`). An int C uses C for every round; a pair
+    chunk_size: None (default): C_first = the expected (source, destination) load
+      T_dev*K/N plus 4 * sqrt of it (4 standard deviations of uniform random routing),
+      rounded up to a multiple of 8, and C_overflow = C_first/4 rounded up to a multiple of
+      8, so uniform routing takes one round (at T_dev*K/N = 1024, 12.5% padding) and skew
+      costs small extra rounds (`plan.default_chunks`). An int C uses C for every round; a pair
       (C_first, C_overflow) sets both.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
@@ -205,7 +206,7 @@ def _loop_overflow(cfg, plan, rounds, step, acc):
 def _rounds(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
   """Sum of `_round` over every round: f32[T, F].
 
-  Round 0 (C_first slots per pair: 9/8 of the expected load) runs as plain JAX; the
+  Round 0 (C_first slots per pair: the expected load and a margin) runs as plain JAX; the
   overflow rounds, whose count is data-dependent, run in a `while_loop` that adds into its
   output. Backward: round 0's vjp from the residuals its forward saved, then a loop that
   replays each overflow round's vjp and adds it into round 0's gradients in place (no
