@@ -171,11 +171,12 @@ def all_to_all(case, on_tpu=False):
 def ragged_capacity(tokens_per_device, k, capacity=None):
   """(C, C_overflow): receive-buffer rows of the ragged dispatch's round 0 and later rounds,
   written out from its documented rule (`moe_ragged_all_to_all`): C = T_dev*K plus 4 * sqrt
-  of it, rounded up to a multiple of 8 (at least 8), C_overflow = C / 4 rounded up to a
-  multiple of 8."""
+  of it, rounded up to a multiple of 8 (at least 8) and from 4096 up to a multiple of 512,
+  C_overflow = C / 4 rounded up to a multiple of 8."""
   if capacity is not None:
     return capacity, capacity
   first = _padded_load(tokens_per_device * k)
+  first = first if first < 4096 else 512 * math.ceil(first / 512)
   return first, max(8, 8 * math.ceil(first / 4 / 8))
 
 

@@ -284,8 +284,11 @@ def test_round_counts_rejects(count, rounds, err, match):
     (5, 2, None, Chunks(24, 8)),
     # 128 -> 128 + ceil(45.25) = 174 -> 176; overflow 176 / 4 = 44 -> 48.
     (64, 2, None, Chunks(176, 48)),
-    # The benchmark's T_dev = 32768 / 8, K = 2: 8192 + 363 = 8555 -> 8560; overflow 2140 -> 2144.
-    (4096, 2, None, Chunks(8560, 2144)),
+    # The benchmark's T_dev = 32768 / 8, K = 2: 8192 + 363 = 8555 -> 8560, past 4096 rows
+    # whole 512-row tiles: 8704; overflow 8704 / 4 = 2176.
+    (4096, 2, None, Chunks(8704, 2176)),
+    # 1800 * 2 = 3600 + 240 = 3840 < 4096: multiples of 8 only; overflow 960.
+    (1800, 2, None, Chunks(3840, 960)),
     (1, 1, None, Chunks(8, 8)),  # 1 + 4 -> the floor of 8 rows
     (0, 2, None, Chunks(8, 8)),
     (40, 2, 3, Chunks(3, 3)),  # an explicit capacity: every round

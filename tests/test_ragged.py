@@ -167,7 +167,8 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   Tokens padded with id -1 to a multiple of the device count, split in order over the
   devices (device index = its position in P(all axes)); device d receives the valid items
   of the devices sharing its other-axes coordinates that route to its L experts. Rounds:
-  one of C rows (T_dev K + 4 sqrt(T_dev K), up to a multiple of 8), then one per C_overflow
+  one of C rows (T_dev K + 4 sqrt(T_dev K), up to a multiple of 8, or of 512 from 4096
+  up), then one per C_overflow
   (C / 4 up to a multiple of 8) of the fullest receiver's items past C; an explicit capacity: C each.
   """
   ids_TK = np.asarray(experts_TK).astype(np.int64).reshape(len(experts_TK), -1)
@@ -187,7 +188,8 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
       if other[s] == other[d]:
         received[d] += np.sum(valid_SI[s] & (ids_SI[s] // L == e_pos[d]))
   n = ids_SI.shape[1]  # T_dev * K
-  C = capacity or max(8, 8 * math.ceil((n + math.ceil(4 * math.sqrt(n))) / 8))
+  C = max(8, 8 * math.ceil((n + math.ceil(4 * math.sqrt(n))) / 8))
+  C = capacity or (C if C < 4096 else 512 * math.ceil(C / 512))
   C_over = capacity or max(8, 8 * -(-C // 32))
   valid_TK = (ids_TK >= 0) & (ids_TK < E)
   return dict(rounds=1 + -(-max(received.max() - C, 0) // C_over),
