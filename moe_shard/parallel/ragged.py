@@ -131,9 +131,9 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_a
     capacity: rows of the receive buffer per device and round. None (default): round 0
       takes C = the expected load T_dev*K plus 4 * sqrt of it (4 standard deviations of
       uniform random routing), rounded up to a multiple of 8 (from 4096 rows, of 512:
-      1.0625x at T_dev*K = 8192), so
-      uniform routing takes one round, and later rounds C_overflow = C/4 rounded up to a
-      multiple of 8 (`plan.default_capacity`); an int C >= 1: C in every round.
+      1.0625x at T_dev*K = 8192), so uniform routing takes one round, and later rounds
+      C_overflow = C/4 rounded up to a multiple of 8 (`plan.default_capacity`); an int
+      C >= 1: C in every round.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
 
