@@ -104,17 +104,18 @@ def op_bytes(compiled_or_text, trip_counts=None):
   return sorted(rows, key=lambda r: -r["total"])
 
 
-def executed_bytes(compiled, trip_counts=None):
+def executed_bytes(compiled, trip_counts=None, rows=None):
   """HBM bytes one run of `compiled` accesses, loop bodies times their trip counts.
 
   executed = XLA's "bytes accessed" + sum over ops of bytes per run * (runs - 1); see the
   module docstring. A loop with no trip count known or given counts once (as XLA does).
+  `rows`: `op_bytes(compiled, trip_counts)` when the caller has it already.
 
   Returns:
     dict: "executed" (that), "xla" (XLA's figure, bodies once).
   """
   xla = measure.bytes_accessed(compiled)
-  rows = op_bytes(compiled, trip_counts)
+  rows = op_bytes(compiled, trip_counts) if rows is None else rows
   return {"executed": xla + sum((r["read"] + r["written"]) * (r["runs"] - 1) for r in rows),
           "xla": xla}
 
@@ -129,9 +130,10 @@ def by_scope(rows, depth=2):
 
 def table(compiled, trip_counts=None, top=15):
   """A Markdown report: the totals, per-scope totals and the `top` ops."""
-  rows = [r for r in op_bytes(compiled, trip_counts) if r["total"] > 0]
+  every = op_bytes(compiled, trip_counts)
+  xla = executed_bytes(compiled, trip_counts, every)
+  rows = [r for r in every if r["total"] > 0]
   total = sum(r["total"] for r in rows)
-  xla = executed_bytes(compiled, trip_counts)
   gb = 1e9
   lines = [f"HBM bytes by this model: {total / gb:.2f} GB per device per step (XLA's bytes "
            f"accessed: {xla['xla'] / gb:.2f} GB with loop bodies once, "

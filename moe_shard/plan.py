@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks, local
+from moe_shard.gmm_tpu import MAX_ROW_TILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +172,6 @@ def round_counts(count_N, chunks, rounds):
 # moves the window [start_r, start_r + C_r) of every device's receive order into its C_r-row
 # buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
 
-ROW_TILE = 512  # `gmm_tpu.MAX_ROW_TILE`: large receive buffers are whole row tiles
-
-
 def default_capacity(tokens, k, capacity=None):
   """Rows of the ragged dispatch's receive buffers per device: round 0's, then the others'.
 
@@ -182,11 +180,11 @@ def default_capacity(tokens, k, capacity=None):
     k: K slots per token.
     capacity: None (default): round 0 takes the expected load T*K (every device receives
       T*K items on average) plus 4 standard deviations, `padded_load(T*K)` (2048 -> 2232),
-      and from 4096 rows up a multiple of `ROW_TILE` (512: 8192 -> 8704, 1.0625x), the row
-      tile of TPU's grouped matmul, which would otherwise copy the buffer into a padded one
-      on every call; the overflow rounds a quarter of that, rounded up to a multiple of 8
-      (so a round that never runs under uniform routing reserves little memory). An int
-      C >= 1: C rows in every round.
+      and from 4096 rows up a multiple of `gmm_tpu.MAX_ROW_TILE` (512: 8192 -> 8704,
+      1.0625x), the row tile of TPU's grouped matmul, which would otherwise copy the buffer
+      into a padded one on every call; the overflow rounds a quarter of that, rounded up to
+      a multiple of 8 (so a round that never runs under uniform routing reserves little
+      memory). An int C >= 1: C rows in every round.
 
   Returns:
     `Chunks(first, overflow)`: the rows of round 0 and of each later round.
@@ -199,7 +197,7 @@ def default_capacity(tokens, k, capacity=None):
     return Chunks(c, c)
   first = padded_load(tokens * k)
   if first >= 4096:
-    first = ROW_TILE * math.ceil(first / ROW_TILE)
+    first = MAX_ROW_TILE * math.ceil(first / MAX_ROW_TILE)
   return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
 
 

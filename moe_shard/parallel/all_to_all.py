@@ -212,8 +212,14 @@ def _rounds(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
   replays each overflow round's vjp and adds it into round 0's gradients in place (no
   zero-filled parameter-sized buffers, no sum of two gradients, when the loop never runs).
   """
+  y_TF = _round(cfg, x_TD, ffn_L, weights_TK, plan_lib.round_slots(plan, 0, cfg.chunks.first),
+                local_I)
+  return _add_overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds, y_TF)
+
+
+def _add_overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds, y_TF):
+  """y_TF plus the overflow rounds' `_round`s."""
   run = functools.partial(_round, cfg, x_TD, ffn_L, weights_TK, local_I=local_I)
-  y_TF = run(slots_NC=plan_lib.round_slots(plan, 0, cfg.chunks.first))
   return _loop_overflow(cfg, plan, rounds, lambda acc, s: acc + run(slots_NC=s), y_TF)
 
 
@@ -221,8 +227,7 @@ def _rounds_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
   slots_NC = plan_lib.round_slots(plan, 0, cfg.chunks.first)
   y_TF, vjp0 = jax.vjp(lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I),
                        x_TD, ffn_L, weights_TK)
-  run = functools.partial(_round, cfg, x_TD, ffn_L, weights_TK, local_I=local_I)
-  y_TF = _loop_overflow(cfg, plan, rounds, lambda acc, s: acc + run(slots_NC=s), y_TF)
+  y_TF = _add_overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds, y_TF)
   return y_TF, (vjp0, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
 
 

@@ -310,6 +310,11 @@ def _ragged_rounds(cfg, x_ID, ffn_L, q, rounds):
   each overflow round's vjp and adds it into round 0's gradients in place.
   """
   y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0, cfg.rows.first)
+  return _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF)
+
+
+def _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF):
+  """y_IF with the overflow rounds' outputs written at their items' sorted positions."""
   return _overflow_loop(cfg, rounds,
                         lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
 
@@ -317,9 +322,7 @@ def _ragged_rounds(cfg, x_ID, ffn_L, q, rounds):
 def _ragged_rounds_fwd(cfg, x_ID, ffn_L, q, rounds):
   y_IF, vjp0 = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, 0, cfg.rows.first),
                        x_ID, ffn_L)
-  y_IF = _overflow_loop(cfg, rounds,
-                        lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
-  return y_IF, (vjp0, x_ID, ffn_L, q, rounds)
+  return _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF), (vjp0, x_ID, ffn_L, q, rounds)
 
 
 def _ragged_rounds_bwd(cfg, res, dy_IF):
