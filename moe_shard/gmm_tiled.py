@@ -184,14 +184,18 @@ def _fori(count, body, init):
 def _for_each_tile(sched, g, num_rows, body, carry):
   """Runs body(tile, row0, mask_t1, carry) over the tiles of group g, one loop per size.
 
-  row0 is the first row of the tile as sliced: a tile that would run past `num_rows` is
-  slid back to end there, and mask_t1 (bool[tile, 1]) marks the rows that are the group's
-  own (not before the tile's true start, not at or past the group's end).
+  row0 is the first row of the tile as sliced. Tiles of every size but the smallest lie
+  inside the group, and mask_t1 is None. In the smallest size's loop, a tile that would run
+  past `num_rows` is slid back to end there, and mask_t1 (bool[tile, 1]) marks the rows that
+  are the group's own (not before the tile's true start, not at or past the group's end).
   """
   end = sched.end_G[g]
+  last = len(sched.tiles) - 1
   for l, t in enumerate(sched.tiles):
     def step(j, carry, l=l, t=t):
       start = sched.first_GL[g, l] + j * t
+      if l < last:  # a whole tile of the group: no mask, no select
+        return body(t, start, None, carry)
       row0 = jnp.minimum(start, num_rows - t)
       r_t = row0 + jnp.arange(t, dtype=jnp.int32)
       mask_t1 = ((r_t >= start) & (r_t < end))[:, None]
@@ -222,6 +226,21 @@ def _pad_rows(a_MK, rows):
   return a_MK if a_MK.shape[0] >= rows else jnp.pad(a_MK, ((0, rows - a_MK.shape[0]), (0, 0)))
 
 
+def _read_rows(a_QK, row0, t, mask_t1):
+  """Rows [row0, row0 + t) of a, those outside the mask (when there is one) zeroed."""
+  a_tK = jax.lax.dynamic_slice_in_dim(a_QK, row0, t)
+  return a_tK if mask_t1 is None else jnp.where(mask_t1, a_tK, 0)
+
+
+def _write_rows(a_QK, new_tK, row0, mask_t1):
+  """a with rows [row0, row0 + t) set to new's; with a mask, only the masked rows (the
+  others keep what their own group's tile wrote: any order works)."""
+  if mask_t1 is not None:
+    old_tK = jax.lax.dynamic_slice_in_dim(a_QK, row0, new_tK.shape[0])
+    new_tK = jnp.where(mask_t1, new_tK, old_tK)
+  return jax.lax.dynamic_update_slice_in_dim(a_QK, new_tK, row0, axis=0)
+
+
 def _gmm_fwd_loop(x_MD, w_GDF, sched):
   """y_MF: f32[M, F], y[rows of g] = x[rows of g] @ w[g], other rows 0."""
   M = x_MD.shape[0]
@@ -235,10 +254,7 @@ def _gmm_fwd_loop(x_MD, w_GDF, sched):
     def tile(t, row0, mask_t1, y_QF):
       x_tD = jax.lax.dynamic_slice_in_dim(x_QD, row0, t)
       new_tF = jnp.einsum("td,df->tf", x_tD, w_DF, preferred_element_type=jnp.float32)
-      old_tF = jax.lax.dynamic_slice_in_dim(y_QF, row0, t)
-      # Rows outside the group keep what their own group's tile wrote (any order works).
-      return jax.lax.dynamic_update_slice_in_dim(y_QF, jnp.where(mask_t1, new_tF, old_tF),
-                                                 row0, axis=0)
+      return _write_rows(y_QF, new_tF, row0, mask_t1)
     return _for_each_tile(sched, g, Q, tile, y_QF)
   return _for_each_group(sched, group, y_QF)[:M]
 
@@ -258,13 +274,11 @@ def _gmm_bwd_loop(x_MD, w_GDF, dy_MF, sched):
 
     def tile(t, row0, mask_t1, carry):
       dx_QD, dw_GDF = carry
-      x_tD = jnp.where(mask_t1, jax.lax.dynamic_slice_in_dim(x_QD, row0, t), 0)
-      dy_tF = jnp.where(mask_t1, jax.lax.dynamic_slice_in_dim(dy_QF, row0, t), 0)
+      x_tD = _read_rows(x_QD, row0, t, mask_t1)
+      dy_tF = _read_rows(dy_QF, row0, t, mask_t1)
       # dx[rows of g] = dy[rows of g] @ w[g]^T; rows of other groups keep their value.
       new_tD = jnp.einsum("tf,df->td", dy_tF, w_DF, preferred_element_type=jnp.float32)
-      old_tD = jax.lax.dynamic_slice_in_dim(dx_QD, row0, t)
-      dx_QD = jax.lax.dynamic_update_slice_in_dim(dx_QD, jnp.where(mask_t1, new_tD, old_tD),
-                                                  row0, axis=0)
+      dx_QD = _write_rows(dx_QD, new_tD, row0, mask_t1)
       # dw[g] += x_tile^T @ dy_tile (rows of other groups are zeroed above). Added in place
       # into dw (one fused read-add-write of [D, F]): cheaper on XLA:CPU than a [D, F]
       # accumulator carry, which costs a zero fill, the same add and a final copy per group.

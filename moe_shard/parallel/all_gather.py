@@ -6,7 +6,6 @@ import functools
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks, local
 from moe_shard.remat import MOE_DISPATCH_RECV
@@ -62,7 +61,7 @@ def _all_gather_jit(x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl):
   body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
   tok = lay.token_spec
   y_TF = shard_map(body, mesh,
-                   in_specs=(tok, jax.tree.map(lambda _: P(expert_axis), ffn), tok, tok),
+                   in_specs=(tok, jax.tree.map(lambda _: lay.ffn_spec, ffn), tok, tok),
                    out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
   return trim(y_TF, mesh, lay.tokens)
 

@@ -30,11 +30,25 @@ class _Layout:
 
   @property
   def other_axes(self):
-    return tuple(a for a in self.mesh.axis_names if a not in expert_axes(self.expert_axis))
+    """Axes other than the expert axes, of size > 1: the expert weights are replicated over
+    them, so their gradients are summed there (an axis of size 1 would add an all-reduce
+    that copies every weight gradient and sums nothing)."""
+    return tuple(a for a in self.mesh.axis_names
+                 if a not in expert_axes(self.expert_axis) and self.mesh.shape[a] > 1)
 
   @property
   def n(self):
     return axis_size(self.mesh, self.expert_axis)
+
+  @property
+  def ffn_spec(self):
+    """shard_map spec of an expert weight: split over the expert axes, then over the other
+    axes of size 1. Naming those changes no layout, but shard_map (with check_vma off)
+    transposes a replicated input into a psum over the axes its spec leaves out: one
+    all-reduce copying every weight gradient even over an axis of size 1."""
+    ones = tuple(a for a in self.mesh.axis_names
+                 if a not in expert_axes(self.expert_axis) and self.mesh.shape[a] == 1)
+    return P(expert_axes(self.expert_axis) + ones)
 
   @property
   def token_spec(self):
@@ -57,7 +71,7 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
   lay = _Layout(mesh, expert_axis, E, T, T + pad)
   x_TD, experts_TK, weights_TK = (place(a, mesh, lay.token_spec)
                                   for a in (x_TD, experts_TK, weights_TK))
-  ffn = jax.tree.map(lambda leaf: place(leaf, mesh, P(expert_axis)), ffn)
+  ffn = jax.tree.map(lambda leaf: place(leaf, mesh, lay.ffn_spec), ffn)
   return lay, x_TD, ffn, experts_TK, weights_TK
 
 
@@ -89,7 +103,7 @@ def run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, retur
   tok = lay.token_spec
   y_TF, stats = shard_map(
       body, lay.mesh,
-      in_specs=(tok, jax.tree.map(lambda _: P(lay.expert_axis), ffn), tok, tok),
+      in_specs=(tok, jax.tree.map(lambda _: lay.ffn_spec, ffn), tok, tok),
       out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
   y_TF = trim(y_TF, lay.mesh, lay.tokens)
   if not return_stats:
