@@ -668,3 +668,23 @@ def test_all_to_all_grads_over_overflow_rounds_match_ragged_dot(gmm_impl):
                                  chunk_size=(4, 4), return_stats=True)
     assert int(stats["rounds"]) >= 3, name
     assert_tree_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@pytest.mark.parametrize("mesh_name,summed", [("8x1-auto", False), ("4x2-auto", True)])
+def test_weight_gradients_are_all_reduced_only_over_axes_of_size_above_one(name, mesh_name,
+                                                                           summed):
+  """The expert weights are replicated over the data axis, so their gradients are summed
+  there; over a data axis of size 1 that sum would be an all-reduce copying every weight
+  gradient for nothing (shard_map transposes a replicated input into a psum)."""
+  m = mesh(mesh_name)
+  T, D, F, E, K = 16, 4, 6, 8, 2
+  x = jnp.ones((T, D), jnp.float32)
+  w = jnp.ones((E, D, F), jnp.float32)
+  experts = (jnp.arange(T * K, dtype=jnp.int32) % E).reshape(T, K)
+  fn = impl(name, m, stats=False)
+  hlo = jax.jit(jax.grad(lambda w: jnp.sum(fn(x, w, experts)), argnums=0)).lower(
+      w).compile().as_text()
+  weight_sums = [line for line in hlo.splitlines()
+                 if " all-reduce(" in line and f",{D},{F}]" in line.split(" all-reduce(")[0]]
+  assert bool(weight_sums) == summed, weight_sums
