@@ -31,8 +31,8 @@ class _Layout:
   @property
   def other_axes(self):
     """Axes other than the expert axes, of size > 1: the expert weights are replicated over
-    them, so their gradients are summed there (an axis of size 1 would add an all-reduce
-    that copies every weight gradient and sums nothing)."""
+    them, so their gradients are summed there (over an axis of size 1 there is nothing to
+    sum)."""
     return tuple(a for a in self.mesh.axis_names
                  if a not in expert_axes(self.expert_axis) and self.mesh.shape[a] > 1)
 
@@ -46,9 +46,9 @@ class _Layout:
     axes of size 1. Naming those changes no layout, but shard_map (with check_vma off)
     transposes a replicated input into a psum over the axes its spec leaves out: one
     all-reduce copying every weight gradient even over an axis of size 1."""
-    ones = tuple(a for a in self.mesh.axis_names
-                 if a not in expert_axes(self.expert_axis) and self.mesh.shape[a] == 1)
-    return P(expert_axes(self.expert_axis) + ones)
+    split = expert_axes(self.expert_axis)
+    return P(split + tuple(a for a in self.mesh.axis_names
+                           if a not in split + self.other_axes))
 
   @property
   def token_spec(self):
