@@ -550,10 +550,11 @@ def test_layer_input_errors(mesh):
 
 # --------------------------------------------------------------------------- any (B, S)
 
-# B below the device count, B * S not dividing it, S of one: the layer flattens [B, S] into
+# B * S not dividing the device count, B below it, S of one: the layer flattens [B, S] into
 # tokens and back on both axis types (on an Explicit mesh a reshape must be told its output
-# sharding when B alone cannot carry the tokens' split).
-BATCH_SHAPES = [(4, 16), (8, 16), (1, 8), (3, 5), (2, 3), (16, 1)]
+# sharding when B alone cannot carry the tokens' split). Shapes that divide evenly are in
+# every other test of this file.
+BATCH_SHAPES = [(3, 5), (1, 8), (16, 1)]
 
 
 @pytest.mark.parametrize("axis_type", ["explicit", "auto"])
@@ -567,6 +568,9 @@ def test_every_batch_shape_on_both_axis_types(axis_type):
   for i, (b, s) in enumerate(BATCH_SHAPES):
     x_BSD = tokens(i, (b, s, D))
     want = local(jax.device_get(params), x_BSD)
-    for y in (on_mesh(params, x_BSD), ms.moe_layer(params, x_BSD, cfg, mesh=mesh2x4)[0]):
+    ys = [on_mesh(params, x_BSD)]
+    if i == 0:  # outside jit too (op by op: slow, so one shape)
+      ys.append(ms.moe_layer(params, x_BSD, cfg, mesh=mesh2x4)[0])
+    for y in ys:
       assert y.shape == (b, s, D) and y.dtype == x_BSD.dtype, (b, s)
       assert_close(y, want, jnp.float32, f"B={b} S={s} {axis_type}")
