@@ -171,6 +171,18 @@ def tile_schedule(group_sizes_G, num_rows, tiles):
                   tiles=tuple(tiles))
 
 
+def _own_zeros(shape, w_GDF, *refs):
+  """f32 zeros for a loop's output buffer that XLA cannot merge with another call's.
+
+  XLA's CSE merges equal zero fills: the gate and up matmuls of a SwiGLU (same shapes)
+  would share one, and each of their loops, which write it in place, would start with a
+  whole copy of it. Tying the fill to this call's `w` (a scalar that is always 0, even
+  for inf or nan weights) keeps one fill per loop and no copies.
+  """
+  zero = jnp.isnan(w_GDF.reshape(-1)[0]).astype(jnp.float32) * 0.0
+  return zeros_varying(shape, jnp.float32, w_GDF, *refs) + zero
+
+
 def _fori(count, body, init):
   """`fori_loop(0, count, body, init)` for a traced `count`, as a plain while_loop."""
   def cond(c):
@@ -246,7 +258,7 @@ def _gmm_fwd_loop(x_MD, w_GDF, sched):
   M = x_MD.shape[0]
   Q = _padded_rows(M, sched.tiles)
   x_QD = _pad_rows(x_MD, Q)
-  y_QF = zeros_varying((Q, w_GDF.shape[2]), jnp.float32, x_MD, w_GDF)
+  y_QF = _own_zeros((Q, w_GDF.shape[2]), w_GDF, x_MD)
 
   def group(g, y_QF):
     w_DF = w_GDF[g]
@@ -266,8 +278,8 @@ def _gmm_bwd_loop(x_MD, w_GDF, dy_MF, sched):
   Q = _padded_rows(M, sched.tiles)
   x_QD = _pad_rows(x_MD, Q)
   dy_QF = _pad_rows(dy_MF, Q)
-  dx_QD = zeros_varying((Q, D), jnp.float32, x_MD, w_GDF, dy_MF)
-  dw_GDF = zeros_varying((G, D, F), jnp.float32, x_MD, w_GDF, dy_MF)
+  dx_QD = _own_zeros((Q, D), w_GDF, x_MD, dy_MF)
+  dw_GDF = _own_zeros((G, D, F), w_GDF, x_MD, dy_MF)
 
   def group(g, carry):
     w_DF = w_GDF[g]

@@ -6,6 +6,7 @@ cotangent) with `lax.ragged_dot`, the semantics the tiled kernel must reproduce.
 
 import functools
 import importlib
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -237,6 +238,24 @@ def test_loop_trip_counts_follow_the_schedule():
   # 44 -> two 16s and a masked 16; 40 -> three 16s (the last masked); 5 -> one masked 16.
   assert counts == {"gmm_groups": 3, "gmm_tile_256": 1, "gmm_tile_64": 0,
                     "gmm_tile_16": 3 + 3 + 1}
+
+
+def test_two_matmuls_of_one_shape_copy_no_whole_buffer():
+  """A SwiGLU's gate and up are two grouped matmuls of one shape. XLA merges equal zero fills
+  of their loop buffers, then copies the shared one whole for each loop (written in place);
+  each call's buffers must be its own: no copy of a [G, D, F] or [M, F] array in the
+  compiled forward+backward."""
+  M, D, F, G = 64, 16, 24, 4
+  x, w1, gs, dy = _inputs(M, D, F, [20, 0, 30, 10])
+  w2 = w1 * 2
+
+  def loss(x, w1, w2):
+    mm = functools.partial(ms.grouped_matmul, group_sizes_G=gs, impl="tiled")
+    return jnp.sum(mm(x, w1) * mm(x, w2) * dy)
+
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).compile().as_text()
+  copies = re.findall(r"= f32\[([\d,]+)\]\S* copy\(", hlo)
+  assert not [c for c in copies if c in (f"{G},{D},{F}", f"{M},{F}")], copies
 
 
 # --- inside shard_map -----------------------------------------------------------------------
