@@ -179,7 +179,7 @@ def _own_zeros(shape, w_GDF, *refs):
   whole copy of it. Tying the fill to this call's `w` (a scalar that is always 0, even
   for inf or nan weights) keeps one fill per loop and no copies.
   """
-  zero = jnp.isnan(w_GDF.reshape(-1)[0]).astype(jnp.float32) * 0.0
+  zero = jnp.sum(jnp.isnan(w_GDF.reshape(-1)[:1])).astype(jnp.float32) * 0.0
   return zeros_varying(shape, jnp.float32, w_GDF, *refs) + zero
 
 
