@@ -17,6 +17,9 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
     their ratio to the cost model's lower bound T_dev*K*(N-1)/N*(D + F_out)*bytes (x2 for
     forward+backward).
   temp MiB: temp memory per device (`memory_analysis()`).
+  Timed on CPU with glibc's malloc set to reuse freed memory (`bench/malloc.py`; XLA:CPU
+    allocates a program's temporaries on each call, and fresh pages fault on first touch);
+    --system-malloc keeps glibc's defaults. The results file records which.
   --tpu only: roofline = max(compute, HBM, ICI) per device, from executed FLOPs, HBM bytes
     and bytes sent over the chip's peaks; HBM GB: XLA's "bytes accessed" as XLA counts it
     (loop bodies once) / with loop bodies times their trip counts (`bench/hbm.py`), the
@@ -31,7 +34,7 @@ import json
 import os
 import sys
 
-from bench import report
+from bench import malloc, report
 from bench.flags import UsageError, parser, settings
 from bench.run import ask_for_devices, backend_started, make_mesh, run
 
@@ -71,6 +74,10 @@ def _main(argv):
   if a.tpu and not backend_started():
     # Compile only: no TPU is opened, so libtpu's one-process lock is not needed.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # Before JAX starts its threads: timed programs reuse freed memory (`bench/malloc.py`).
+  allocator = (malloc.SYSTEM + " (--system-malloc)" if a.system_malloc else
+               malloc.SYSTEM + " (--tpu: nothing runs)" if a.tpu else
+               malloc.reuse_freed_memory())
   ask_for_devices(a.devices, a.num_processes)
   from bench import distributed
   try:
@@ -90,7 +97,7 @@ def _main(argv):
   else:
     devices = jax.devices()
   mesh = make_mesh(a.mesh, devices)
-  info = common.machine_info()
+  info = dict(common.machine_info(), malloc=allocator)
   full = ["python", "-m", "bench", *argv]
   if leader:
     where = f"TPU {a.tpu} (compile only)" if a.tpu else (

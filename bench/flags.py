@@ -93,6 +93,9 @@ def parser():
   p.add_argument("--json", metavar="PATH")
   p.add_argument("--csv", metavar="PATH")
   p.add_argument("--plot", metavar="PNG", help="bar charts of time and bytes (matplotlib)")
+  p.add_argument("--system-malloc", action="store_true",
+                 help="keep glibc's malloc defaults (default on CPU: freed memory is reused, "
+                      "see bench/malloc.py)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   p.add_argument("--from-json", metavar="PATH",
                  help="measure nothing: print (and with --out/--csv/--plot, write) the tables "

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_shard as ms  # noqa: E402
-from bench import common  # noqa: E402
+from bench import common, malloc  # noqa: E402
 from moe_shard import plan as plan_lib  # noqa: E402
 from moe_shard.grouped_matmul import grouped_matmul  # noqa: E402
 
@@ -232,10 +232,14 @@ def main(argv=None):
   p.add_argument("-E", default="8,64", help="expert counts (default 8,64)")
   p.add_argument("--repeats", type=int, default=5, help="timed turns (default 5)")
   p.add_argument("--hlo", action="store_true", help="list big ops of the layer's fwd+bwd")
+  p.add_argument("--system-malloc", action="store_true",
+                 help="keep glibc's malloc defaults (default: reuse freed memory, as "
+                      "`python -m bench` does; bench/malloc.py)")
   args = p.parse_args(argv)
+  allocator = malloc.SYSTEM if args.system_malloc else malloc.reuse_freed_memory()
   mesh = make_mesh()
   info = common.machine_info()
-  print(f"# {info['cpu']}, {info['cores']} cores, JAX {info['jax']}, "
+  print(f"# {info['cpu']}, {info['cores']} cores, JAX {info['jax']}, malloc: {allocator}, "
         f"{len(jax.devices())} devices, mesh 8x1, D={D} F={F} K={K} SwiGLU f32, "
         f"{args.repeats} repeats (medians)", flush=True)
   rows = []

@@ -3,6 +3,9 @@
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -240,6 +243,7 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
   data = json.load(open(stem + ".json"))
   rows = data["rows"]
   assert data["machine"]["jax"] == jax.__version__
+  assert data["machine"]["malloc"].startswith(("glibc mallopt", "system default"))
   assert len(rows) == 2 * 2  # impls x modes
   for r in rows:
     assert r["time_s"]["min"] <= r["time_s"]["median"] <= r["time_s"]["max"]
@@ -408,3 +412,41 @@ def test_a_program_too_big_for_the_host_is_a_row_not_a_kill():
              mode="fwd_bwd", error=why)
   text = report.table([row])
   assert "| not run: needs" in text and "did not compile" not in text
+
+
+MALLOC_PROBE = """
+import ctypes, sys
+from bench import malloc
+class Info(ctypes.Structure):
+  _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+              "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+setting = malloc.reuse_freed_memory() if sys.argv[1] == "reuse" else malloc.SYSTEM
+before = libc.mallinfo2().hblkhd
+p = libc.malloc(64 << 20)
+print(setting, libc.mallinfo2().hblkhd - before)
+libc.free(p)
+"""
+
+
+def _glibc():
+  try:
+    return "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")
+  except (AttributeError, ValueError, OSError):
+    return False
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's mallopt and mallinfo2 only")
+def test_reuse_freed_memory_serves_a_large_block_from_the_heap_not_mmap():
+  out = {}
+  for mode in ("system", "reuse"):
+    res = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True,
+                         text=True, check=True)
+    setting, mapped = res.stdout.rsplit(" ", 1)
+    out[mode] = setting, int(mapped)
+  assert out["system"][1] >= 64 << 20  # glibc's default: a fresh mmap for 64 MiB
+  assert out["reuse"] == ("glibc mallopt: arena_max=1, mmap_threshold=2 GiB, "
+                          "trim_threshold=2 GiB", 0)
