@@ -12,8 +12,10 @@ from bench import LEVELS, MODES, ROUTINGS
 PRESETS = {
     # jit_ragged_dot is left out of the default (XLA replicates its work on every device:
     # 8x the FLOPs and 3x the time of the next slowest); --impls or --sweep include it.
+    # 5 repeats: with 2, the medians of 8 devices sharing 2 cores moved by up to 30% between
+    # runs (e.g. all_to_all fwd+bwd 1349-2091 ms in one run); the run takes 2.5 min.
     "default": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8",
-                    routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2,
+                    routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=5,
                     impls="all_to_all,all_gather,jit_masked_scan,jit_gshard_einsum,dense_limit"),
     "quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
                   routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
