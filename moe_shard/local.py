@@ -180,9 +180,15 @@ def rows_to_tokens(y_SF, index, weights_TK):
   kt_S, row_KT = index
   T, K = weights_TK.shape
   y_KTF = move_rows(y_SF, kt_S, row_KT).reshape(K, T, -1)
-  # An einsum (a dot over K), not a broadcast product and a sum: compiled for TPU v5e
-  # (E=8 layer fwd+bwd) XLA counts 1.2 GB fewer HBM bytes for it.
-  return jnp.einsum("tk,ktf->tf", weights_TK, y_KTF, preferred_element_type=jnp.float32)
+  # A sum of K weighted [T, F] slices, products in float32, each slice read in its own
+  # dtype. Compiled for TPU v6e (E=64 layer fwd+bwd) XLA counts 0.43 GB fewer HBM bytes than
+  # for a dot over K (`einsum("tk,ktf->tf")`), for which it converts the bf16 [K, T, F] rows
+  # to float32 and keeps that copy for the backward; a broadcast product and a sum over K
+  # counted 1.2 GB more than the dot (v5e, E=8).
+  out = weights_TK[:, 0, None] * y_KTF[0].astype(jnp.float32)
+  for k in range(1, K):
+    out = out + weights_TK[:, k, None] * y_KTF[k].astype(jnp.float32)
+  return out
 
 
 def _scatter_rows(x_RD, to_R, rows):
