@@ -57,3 +57,24 @@ def reuse_freed_memory():
   if not done:
     return f"{SYSTEM} (mallopt refused every setting)"
   return "glibc mallopt: " + ", ".join(done)
+
+
+class _MallInfo2(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_size_t) for name in (
+      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+      "fordblks", "keepcost")]
+
+
+def retained_bytes():
+  """Bytes that glibc's malloc holds freed in this process (`mallinfo2().fordblks`): memory
+  a new allocation reuses before asking the kernel, which the host's free memory does not
+  count. 0 where unknown (not glibc, or glibc before 2.33)."""
+  if not sys.platform.startswith("linux"):
+    return 0
+  try:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    mallinfo2 = libc.mallinfo2
+  except (OSError, AttributeError):
+    return 0
+  mallinfo2.restype, mallinfo2.argtypes = _MallInfo2, ()
+  return int(mallinfo2().fordblks)

@@ -211,16 +211,17 @@ def _efficiency(rows):
 def _host_memory_short(compiled, fraction=0.75):
   """Why running `compiled` on this host's simulated CPU devices would exhaust its memory,
   or None: temp + argument + output bytes per device (`memory_analysis()`) times the local
-  devices, against `fraction` of the memory available now (Linux `sysconf`; None where it
-  is unknown)."""
+  devices, against `fraction` of the memory available now (Linux `sysconf`, plus what this
+  process's malloc holds freed, `malloc.retained_bytes`; None where it is unknown)."""
   import jax
-  from bench import measure
+  from bench import malloc, measure
   if jax.default_backend() != "cpu":
     return None
   try:
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError, AttributeError):
     return None
+  avail += malloc.retained_bytes()
   mem = measure.memory_bytes(compiled)
   need = (mem["temp"] + mem["argument"] + mem["output"]) * jax.local_device_count()
   if need <= fraction * avail:

@@ -427,8 +427,9 @@ libc.free.argtypes = (ctypes.c_void_p,)
 setting = malloc.reuse_freed_memory() if sys.argv[1] == "reuse" else malloc.SYSTEM
 before = libc.mallinfo2().hblkhd
 p = libc.malloc(64 << 20)
-print(setting, libc.mallinfo2().hblkhd - before)
+mapped = libc.mallinfo2().hblkhd - before
 libc.free(p)
+print(setting, mapped, malloc.retained_bytes())
 """
 
 
@@ -440,13 +441,16 @@ def _glibc():
 
 
 @pytest.mark.skipif(not _glibc(), reason="glibc's mallopt and mallinfo2 only")
-def test_reuse_freed_memory_serves_a_large_block_from_the_heap_not_mmap():
+def test_reuse_freed_memory_serves_a_large_block_from_the_heap_and_keeps_it():
   out = {}
   for mode in ("system", "reuse"):
     res = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True,
                          text=True, check=True)
-    setting, mapped = res.stdout.rsplit(" ", 1)
-    out[mode] = setting, int(mapped)
-  assert out["system"][1] >= 64 << 20  # glibc's default: a fresh mmap for 64 MiB
-  assert out["reuse"] == ("glibc mallopt: arena_max=1, mmap_threshold=2 GiB, "
-                          "trim_threshold=2 GiB", 0)
+    setting, mapped, retained = res.stdout.rsplit(" ", 2)
+    out[mode] = setting, int(mapped), int(retained)
+  # glibc's default: a fresh mmap for 64 MiB, returned to the kernel by free.
+  assert out["system"][1] >= 64 << 20 and out["system"][2] < 64 << 20
+  # Reusing: from the heap, and kept (and counted) after free.
+  assert out["reuse"][:2] == ("glibc mallopt: arena_max=1, mmap_threshold=2 GiB, "
+                              "trim_threshold=2 GiB", 0)
+  assert out["reuse"][2] >= 64 << 20
