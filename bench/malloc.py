@@ -10,13 +10,14 @@ host: one [2560, 1024] f32 fill (10 MiB) took 4.9 ms in a program with 40 MiB of
 (T=8192, E=8, 50 MiB of temp per device) 444-486 ms against 338-358 ms, the dense limit's
 (16 MiB) 277-288 against 264-270 ms.
 
-`reuse_freed_memory()` sets, through `mallopt`, one arena for all threads and mmap and trim
-thresholds of 2 GiB, what a long-running training process on CPU settles into, so the
-benchmark times each program in steady state. It is process-wide and changes no result,
+`reuse_freed_memory()` sets, through `mallopt`, one arena for all threads, an mmap threshold
+of 512 MiB and a trim threshold of 2 GiB, what a long-running training process on CPU
+settles into, so the benchmark times each program in steady state (buffers above 512 MiB
+per device still come from a fresh mmap; see MMAP_THRESHOLD). It is process-wide and changes no result,
 only where memory comes from; `python -m bench --system-malloc` keeps glibc's defaults.
 The same settings from the shell, for any program:
 
-    GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=2147483647:glibc.malloc.trim_threshold=2147483647
+    GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=536870912:glibc.malloc.trim_threshold=2147483647
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ import sys
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-LIMIT = 2**31 - 1  # mallopt takes an int
-SETTINGS = ((M_ARENA_MAX, 1, "arena_max=1"), (M_MMAP_THRESHOLD, LIMIT, "mmap_threshold=2 GiB"),
-            (M_TRIM_THRESHOLD, LIMIT, "trim_threshold=2 GiB"))
+# Requests above 512 MiB keep glibc's fresh mmap: a case's programs are timed in turns, and
+# with every temp buffer kept in the heap their sum stays resident (at T=32768, E=64 the
+# jit-only programs' buffers, 0.7-1.2 GiB per device, took this 24 GiB host out of memory).
+MMAP_THRESHOLD = 512 * 2**20
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
+SETTINGS = ((M_ARENA_MAX, 1, "arena_max=1"),
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD, "mmap_threshold=512 MiB"),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD, "trim_threshold=2 GiB"))
 SYSTEM = "system default"
 
 
@@ -41,7 +47,7 @@ def reuse_freed_memory():
   Call it before JAX starts its threads (their arenas are created on first use).
 
   Returns:
-    str: what was set, e.g. "glibc mallopt: arena_max=1, mmap_threshold=2 GiB,
+    str: what was set, e.g. "glibc mallopt: arena_max=1, mmap_threshold=512 MiB,
     trim_threshold=2 GiB", or why nothing was ("system default (not Linux)", "system
     default (no glibc mallopt)", ...).
   """
@@ -59,22 +65,20 @@ def reuse_freed_memory():
   return "glibc mallopt: " + ", ".join(done)
 
 
-class _MallInfo2(ctypes.Structure):
-  _fields_ = [(name, ctypes.c_size_t) for name in (
-      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-      "fordblks", "keepcost")]
 
+def release_freed_memory():
+  """Returns the memory glibc's malloc holds freed to the kernel (`malloc_trim(0)`), so that
+  the host's free memory counts it again. The benchmark calls it between cases; a program's
+  next call then takes fresh pages once (its warm-up call does).
 
-def retained_bytes():
-  """Bytes that glibc's malloc holds freed in this process (`mallinfo2().fordblks`): memory
-  a new allocation reuses before asking the kernel, which the host's free memory does not
-  count. 0 where unknown (not glibc, or glibc before 2.33)."""
+  Returns:
+    bool: whether malloc_trim ran and released something.
+  """
   if not sys.platform.startswith("linux"):
-    return 0
+    return False
   try:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    mallinfo2 = libc.mallinfo2
+    trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
   except (OSError, AttributeError):
-    return 0
-  mallinfo2.restype, mallinfo2.argtypes = _MallInfo2, ()
-  return int(mallinfo2().fordblks)
+    return False
+  trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+  return trim(0) == 1

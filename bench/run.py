@@ -87,7 +87,7 @@ class Progress:
 
 def run(s, a, mesh, progress_enabled, tpu_topology=None):
   """Measures every (level, E, routing) case; returns the rows."""
-  from bench import accounting, common, measure, tpu
+  from bench import accounting, common, malloc, measure, tpu
   from bench import programs as progs
   from bench.impls import IMPLS
 
@@ -113,6 +113,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   rows = []
   mesh_name = "x".join(str(mesh.shape[k]) for k in mesh.axis_names)
   for size, (level, E, routing) in cases:
+    malloc.release_freed_memory()  # the last case's buffers, kept by a reusing malloc
     case = progs.make_case(level, E, routing, size, mesh, abstract=bool(tpu_topology),
                            seed=a.seed)
     timed = []
@@ -211,17 +212,17 @@ def _efficiency(rows):
 def _host_memory_short(compiled, fraction=0.75):
   """Why running `compiled` on this host's simulated CPU devices would exhaust its memory,
   or None: temp + argument + output bytes per device (`memory_analysis()`) times the local
-  devices, against `fraction` of the memory available now (Linux `sysconf`, plus what this
-  process's malloc holds freed, `malloc.retained_bytes`; None where it is unknown)."""
+  devices, against `fraction` of the memory available now (Linux `sysconf`; None where it
+  is unknown). `run` returns what malloc holds freed to the kernel before each case
+  (`malloc.release_freed_memory`), so that figure includes it."""
   import jax
-  from bench import malloc, measure
+  from bench import measure
   if jax.default_backend() != "cpu":
     return None
   try:
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError, AttributeError):
     return None
-  avail += malloc.retained_bytes()
   mem = measure.memory_bytes(compiled)
   need = (mem["temp"] + mem["argument"] + mem["output"]) * jax.local_device_count()
   if need <= fraction * avail:
