@@ -13,9 +13,9 @@ host: one [2560, 1024] f32 fill (10 MiB) took 4.9 ms in a program with 40 MiB of
 `reuse_freed_memory()` sets, through `mallopt`, one arena for all threads, an mmap threshold
 of 512 MiB and a trim threshold of 2 GiB, what a long-running training process on CPU
 settles into, so the benchmark times each program in steady state (buffers above 512 MiB
-per device still come from a fresh mmap; see MMAP_THRESHOLD). It is process-wide and changes no result,
-only where memory comes from; `python -m bench --system-malloc` keeps glibc's defaults.
-The same settings from the shell, for any program:
+per device still come from a fresh mmap; see MMAP_THRESHOLD). It is process-wide and
+changes no result, only where memory comes from; `python -m bench --system-malloc` keeps
+glibc's defaults. The same settings from the shell, for any program:
 
     GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=536870912:glibc.malloc.trim_threshold=2147483647
 """
@@ -65,10 +65,9 @@ def reuse_freed_memory():
   return "glibc mallopt: " + ", ".join(done)
 
 
-
 def release_freed_memory():
-  """Returns the memory glibc's malloc holds freed to the kernel (`malloc_trim(0)`), so that
-  the host's free memory counts it again. The benchmark calls it between cases; a program's
+  """Gives the memory glibc's malloc holds freed back to the kernel (`malloc_trim(0)`), so
+  that the host's free memory counts it again. The benchmark calls it between cases; a program's
   next call then takes fresh pages once (its warm-up call does).
 
   Returns:
