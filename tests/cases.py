@@ -7,6 +7,7 @@ oracle in `tests/oracle.py` using `assert_close`, whose tolerances come from `TO
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -172,6 +173,20 @@ def cotangent(shape, dtype, seed):
 # Compile fast, run slow: the test shapes are tiny and XLA's compile time dominates the suite.
 # These options only lower LLVM's effort; floating-point semantics are unchanged (no fast
 # math). Scoped to the functions jitted here, not set globally in XLA_FLAGS.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TiedFFN:
+  """An expert FFN whose one leaf feeds two matmuls: y = tanh(x @ w) @ w (D = F). The
+  float64 oracle models it too (`oracle.moe`, kind "tied")."""
+
+  w_EDD: jax.Array
+  d_in = property(lambda self: self.w_EDD.shape[-2])
+  d_out = property(lambda self: self.w_EDD.shape[-1])
+
+  def __call__(self, x_MD, matmul):
+    return matmul(jnp.tanh(matmul(x_MD, self.w_EDD)), self.w_EDD)
+
+
 FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 
 

@@ -7,13 +7,17 @@ A plain Python loop over tokens t and slots j, in float64, sharing no computatio
 
   * a bare array `w_EDF` is one matrix per expert, `expert(w_DF, x_D) = x_D @ w_DF`;
   * a `SwiGLU(gate_EDF, up_EDF, down_EFD)` (or anything with those attributes) is
-    `expert = (silu(x @ gate) * (x @ up)) @ down`.
+    `expert = (silu(x @ gate) * (x @ up)) @ down`;
+  * a dataclass with one leaf `w_EDD` (`cases.TiedFFN`) is `expert = tanh(x @ w) @ w`,
+    one leaf in two matmuls.
 
 An expert id outside [0, E) contributes zero. The gradients of `sum(y * ct)` are written
 out by hand (no autodiff); `tests/test_oracle.py` checks them against finite differences.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -30,7 +34,10 @@ def _sigmoid(z):
 
 
 def _leaves(w):
-  """Returns ("linear", (w_EDF,)) or ("swiglu", (gate_EDF, up_EDF, down_EFD)) in float64."""
+  """Returns ("linear", (w_EDF,)), ("swiglu", (gate_EDF, up_EDF, down_EFD)) or ("tied",
+  (w_EDD,)) in float64."""
+  if hasattr(w, "w_EDD"):
+    return "tied", (f64(w.w_EDD),)
   if hasattr(w, "gate_EDF"):
     return "swiglu", (f64(w.gate_EDF), f64(w.up_EDF), f64(w.down_EFD))
   if hasattr(w, "w_EDF"):  # ms.Linear
@@ -71,6 +78,9 @@ def moe(x, w, experts, weights=None):
       if kind == "linear":
         (w_EDF,) = leaves
         out = x_TD[t] @ w_EDF[e]
+      elif kind == "tied":
+        (w_EDD,) = leaves
+        out = np.tanh(x_TD[t] @ w_EDD[e]) @ w_EDD[e]
       else:
         gate_EDF, up_EDF, down_EFD = leaves
         g = x_TD[t] @ gate_EDF[e]
@@ -111,6 +121,13 @@ def moe_grads(x, w, experts, weights, ct):
         out = x_TD[t] @ w_EDF[e]
         dx_TD[t] += w_EDF[e] @ dout
         dleaves[0][e] += np.outer(x_TD[t], dout)
+      elif kind == "tied":
+        (w_EDD,) = leaves
+        h = np.tanh(x_TD[t] @ w_EDD[e])
+        out = h @ w_EDD[e]
+        dz = (w_EDD[e] @ dout) * (1.0 - h * h)
+        dx_TD[t] += w_EDD[e] @ dz
+        dleaves[0][e] += np.outer(x_TD[t], dz) + np.outer(h, dout)
       else:
         gate_EDF, up_EDF, down_EFD = leaves
         g = x_TD[t] @ gate_EDF[e]
@@ -126,7 +143,9 @@ def moe_grads(x, w, experts, weights, ct):
         dleaves[1][e] += np.outer(x_TD[t], du)
         dleaves[2][e] += np.outer(h, dout)
       dweights_TK[t, j] = out @ ct_TF[t]
-  if hasattr(w, "gate_EDF"):
+  if kind == "tied":
+    dw = dataclasses.replace(w, w_EDD=dleaves[0])
+  elif hasattr(w, "gate_EDF"):
     dw = ms.SwiGLU(*dleaves)
   elif hasattr(w, "w_EDF"):
     dw = ms.Linear(*dleaves)

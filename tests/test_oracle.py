@@ -7,6 +7,7 @@ import pytest
 
 import moe_shard as ms
 import oracle
+from cases import TiedFFN
 
 
 def test_linear_matches_hand_derived_values():
@@ -50,7 +51,7 @@ def _numerical_grad(f, a, h=1e-6):
   return grad
 
 
-@pytest.mark.parametrize("ffn", ["linear", "swiglu"])
+@pytest.mark.parametrize("ffn", ["linear", "swiglu", "tied"])
 def test_oracle_grads_match_finite_differences(ffn):
   rng = np.random.default_rng(0)
   T, D, F, E = 4, 3, 2, 4
@@ -58,6 +59,9 @@ def test_oracle_grads_match_finite_differences(ffn):
   if ffn == "linear":
     leaves = [rng.normal(size=(E, D, F))]
     make_w = lambda: leaves[0]  # noqa: E731
+  elif ffn == "tied":
+    leaves = [rng.normal(size=(E, D, D))]
+    make_w = lambda: TiedFFN(leaves[0])  # noqa: E731
   else:
     leaves = [rng.normal(size=(E, D, F)), rng.normal(size=(E, D, F)),
               rng.normal(size=(E, F, D))]
@@ -71,7 +75,8 @@ def test_oracle_grads_match_finite_differences(ffn):
     return float(np.sum(oracle.moe(x, make_w(), experts, weights) * ct))
 
   dx, dw, dweights = oracle.moe_grads(x, make_w(), experts, weights, ct)
-  dw_leaves = [dw] if ffn == "linear" else [dw.gate_EDF, dw.up_EDF, dw.down_EFD]
+  dw_leaves = {"linear": lambda: [dw], "tied": lambda: [dw.w_EDD],
+               "swiglu": lambda: [dw.gate_EDF, dw.up_EDF, dw.down_EFD]}[ffn]()
   tol = dict(rtol=1e-6, atol=1e-8)  # central differences: O(h^2) + roundoff/h ~ 1e-10
   np.testing.assert_allclose(dx, _numerical_grad(loss, x), **tol)
   for leaf, got in zip(leaves, dw_leaves):

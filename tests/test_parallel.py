@@ -13,7 +13,6 @@ every time. Only one test calls without jit: that runs the shard_map body op by 
 recompiling every op on every call (20-35 s here).
 """
 
-import dataclasses
 import functools
 import math
 import re
@@ -31,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 import moe_shard as ms
 import oracle
 from cases import (FAST_COMPILE, ROUTINGS, assert_close, assert_tree_close, cotangent, feasible,
-                   make_case, outputs, outputs_and_grads, trace)
+                   make_case, outputs, outputs_and_grads, TiedFFN, trace)
 
 # --------------------------------------------------------------------------- meshes
 
@@ -625,24 +624,11 @@ def test_matches_oracle_property(problem):
 # --------------------------------------------------------------------------- backward rounds
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _SharedLeafFFN:
-  """An expert FFN whose one leaf feeds two matmuls: y = tanh(x @ w) @ w (D = F)."""
-
-  w_EDD: jax.Array
-  d_in = property(lambda self: self.w_EDD.shape[-2])
-  d_out = property(lambda self: self.w_EDD.shape[-1])
-
-  def __call__(self, x_MD, matmul):
-    return matmul(jnp.tanh(matmul(x_MD, self.w_EDD)), self.w_EDD)
-
-
 @pytest.mark.parametrize("gmm_impl", ["tiled", "ragged_dot"])
-def test_all_to_all_grads_over_overflow_rounds_match_ragged_dot(gmm_impl):
+def test_all_to_all_grads_over_overflow_rounds_match_the_oracle(gmm_impl):
   """Round 0 is differentiated by JAX, the overflow rounds by the replaying custom_vjp: with
-  many rounds, a SwiGLU and an FFN that uses one leaf twice, the gradients equal those of
-  the local reference."""
+  many rounds, a SwiGLU and an FFN that uses one leaf twice, the gradients of sum(sin(y))
+  equal the float64 oracle's (cotangent cos(y))."""
   T, D, F, E, K = 128, 8, 12, 16, 2
   rng = np.random.default_rng(7)
   x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
@@ -650,20 +636,17 @@ def test_all_to_all_grads_over_overflow_rounds_match_ragged_dot(gmm_impl):
   routing = ms.top_k_routing(logits, K)
   w = [jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
        for s in [(E, D, F), (E, D, F), (E, F, D), (E, D, D)]]
-  ffns = {"swiglu": ms.SwiGLU(*w[:3]), "shared_leaf": _SharedLeafFFN(w[3])}
+  ffns = {"swiglu": ms.SwiGLU(*w[:3]), "tied": TiedFFN(w[3])}
   m = mesh("8x1-auto")
   for name, ffn in ffns.items():
-    def loss(f, x, g, local):
-      if local:
-        y = ms.moe_ragged_dot(x, f, routing.experts_TK, g, gmm_impl="ragged_dot")
-      else:
-        y = ms.moe_all_to_all(x, f, routing.experts_TK, g, mesh=m, chunk_size=(4, 4),
-                              gmm_impl=gmm_impl)
+    def loss(f, x, g):
+      y = ms.moe_all_to_all(x, f, routing.experts_TK, g, mesh=m, chunk_size=(4, 4),
+                            gmm_impl=gmm_impl)
       return jnp.sum(jnp.sin(y))
-    got = jax.jit(jax.grad(functools.partial(loss, local=False), argnums=(0, 1, 2)))(
-        ffn, x, routing.weights_TK)
-    want = jax.jit(jax.grad(functools.partial(loss, local=True), argnums=(0, 1, 2)))(
-        ffn, x, routing.weights_TK)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(ffn, x, routing.weights_TK)
+    ct = np.cos(oracle.moe(x, ffn, routing.experts_TK, routing.weights_TK))
+    dx, dffn, dweights = oracle.moe_grads(x, ffn, routing.experts_TK, routing.weights_TK, ct)
+    want = (dffn, dx, dweights)
     _, stats = jax.jit(lambda f: ms.moe_all_to_all(
         x, f, routing.experts_TK, routing.weights_TK, mesh=m, chunk_size=(4, 4),
         return_stats=True))(ffn)
