@@ -53,12 +53,9 @@ def reuse_freed_memory():
   """
   if not sys.platform.startswith("linux"):
     return f"{SYSTEM} (not Linux)"
-  try:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    mallopt = libc.mallopt
-  except (OSError, AttributeError):
+  mallopt = _libc("mallopt", (ctypes.c_int, ctypes.c_int))
+  if mallopt is None:
     return f"{SYSTEM} (no glibc mallopt)"
-  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   done = [name for param, value, name in SETTINGS if mallopt(param, value) == 1]
   if not done:
     return f"{SYSTEM} (mallopt refused every setting)"
@@ -67,17 +64,23 @@ def reuse_freed_memory():
 
 def release_freed_memory():
   """Gives the memory glibc's malloc holds freed back to the kernel (`malloc_trim(0)`), so
-  that the host's free memory counts it again. The benchmark calls it between cases; a program's
-  next call then takes fresh pages once (its warm-up call does).
+  that the host's free memory counts it again. The benchmark calls it between cases; a
+  program's next call then takes fresh pages once (its warm-up call does).
 
   Returns:
     bool: whether malloc_trim ran and released something.
   """
+  trim = _libc("malloc_trim", (ctypes.c_size_t,))
+  return trim is not None and trim(0) == 1
+
+
+def _libc(name, argtypes):
+  """The C library's function `name` (returning int) on Linux, or None."""
   if not sys.platform.startswith("linux"):
-    return False
+    return None
   try:
-    trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
   except (OSError, AttributeError):
-    return False
-  trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-  return trim(0) == 1
+    return None
+  fn.argtypes, fn.restype = argtypes, ctypes.c_int
+  return fn
