@@ -63,8 +63,7 @@ def loop_trip_counts(group_sizes_G, num_rows, tiles=None):
   end_G = np.minimum(np.cumsum(sizes_G), num_rows)
   nonempty = int(np.sum(end_G - np.concatenate([[0], end_G[:-1]]) > 0))
   counts = {GROUP_SCOPE: nonempty}
-  counts.update({f"{TILE_SCOPE}{t}": n
-                 for t, n in schedule_rows(sizes_G, num_rows, tiles).items()})
+  counts.update({f"{TILE_SCOPE}{t}": n for t, n in schedule_rows(sizes_G, num_rows, tiles).items()})
   return counts
 
 
@@ -112,8 +111,14 @@ def _layout(case):
   mesh = case.mesh
   n_dev = mesh.size
   N = mesh.shape[EXPERT]
-  return (n_dev, N, n_dev // N, case.E // N, case.size.T // n_dev,
-          device_loads(case.experts_TK, case.E, n_dev))
+  return (
+    n_dev,
+    N,
+    n_dev // N,
+    case.E // N,
+    case.size.T // n_dev,
+    device_loads(case.experts_TK, case.E, n_dev),
+  )
 
 
 def _padded_load(mean):
@@ -229,8 +234,10 @@ def ragged_all_to_all(case, on_tpu=False):
   fwd = out_items * D + back_items * f_out  # [r, m, e]
   bwd = out_items * f_out + back_items * D  # the transposes: cotangents out, dx back
   replays = np.where(np.arange(rounds) == 0, 0, 1)[:, None, None]
-  sent = {"fwd": float(fwd.sum(axis=0).max() * b),
-          "fwd_bwd": float((fwd + bwd + replays * out_items * D).sum(axis=0).max() * b)}
+  sent = {
+    "fwd": float(fwd.sum(axis=0).max() * b),
+    "fwd_bwd": float((fwd + bwd + replays * out_items * D).sum(axis=0).max() * b),
+  }
   return Accounting(rounds, 0, trips, sent_bytes=sent)
 
 
@@ -241,7 +248,7 @@ def all_gather(case, on_tpu=False):
   if not on_tpu:
     for dst in range(n_dev):
       e_dst, m = divmod(dst, M)
-      sizes = load[[e_src * M + m for e_src in range(N)]][:, e_dst * L:(e_dst + 1) * L]
+      sizes = load[[e_src * M + m for e_src in range(N)]][:, e_dst * L : (e_dst + 1) * L]
       trips[dst] = loop_trip_counts(sizes.sum(axis=0), N * T_dev * case.size.K)
   return Accounting(None, 0, trips)
 
@@ -267,7 +274,7 @@ def gshard(case, on_tpu=False):
   C = ms.capacity(case.size.capacity_factor, T_dev, K, case.E)
   kept = np.zeros(case.experts_TK.shape, bool)
   for d in range(n_dev):
-    e_TK = case.experts_TK[d * T_dev:(d + 1) * T_dev]
+    e_TK = case.experts_TK[d * T_dev : (d + 1) * T_dev]
     filled = np.zeros(case.E + 1, np.int64)
     for j in range(K):  # slot-major
       for t in range(T_dev):

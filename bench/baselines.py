@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -51,24 +51,26 @@ def gshard_moe(x_TD, ffn, experts_TK, weights_TK, *, mesh, capacity_factor):
   # the resharding is an all-to-all over "expert" only.
   by_expert = NamedSharding(mesh, P(ms.EXPERT, None, others))
   x_NMSD = jax.lax.with_sharding_constraint(x_TD.reshape(N, M, S, D), groups)
-  mask_NMKSE = jax.nn.one_hot(experts_TK.reshape(N, M, S, K).transpose(0, 1, 3, 2), E,
-                              dtype=jnp.int32)
+  mask_NMKSE = jax.nn.one_hot(
+    experts_TK.reshape(N, M, S, K).transpose(0, 1, 3, 2), E, dtype=jnp.int32
+  )
   # Position of each item in its expert's queue, slot-major (all first choices first).
-  pos_NMKSE = jnp.cumsum(mask_NMKSE.reshape(N, M, K * S, E), axis=2).reshape(
-      N, M, K, S, E) - 1
+  pos_NMKSE = jnp.cumsum(mask_NMKSE.reshape(N, M, K * S, E), axis=2).reshape(N, M, K, S, E) - 1
   keep_NMKSE = (mask_NMKSE > 0) & (pos_NMKSE < C)
   slot_NMKSEC = jax.nn.one_hot(jnp.where(keep_NMKSE, pos_NMKSE, C), C, dtype=x_TD.dtype)
   dispatch_NMSEC = jnp.sum(slot_NMKSEC, axis=2)
   w_NMKS = weights_TK.reshape(N, M, S, K).transpose(0, 1, 3, 2).astype(x_TD.dtype)
   combine_NMSEC = jnp.einsum("nmks,nmksec->nmsec", w_NMKS, slot_NMKSEC)
   xe_ENMCD = jax.lax.with_sharding_constraint(
-      jnp.einsum("nmsec,nmsd->enmcd", dispatch_NMSEC, x_NMSD), by_expert)
+    jnp.einsum("nmsec,nmsd->enmcd", dispatch_NMSEC, x_NMSD), by_expert
+  )
   # The expert FFN on every (expert, group, slot) at once: i and o are its input and output
   # widths (D -> F, then F -> D for SwiGLU's down projection).
   ye_ENMCF = ffn(xe_ENMCD, lambda x, w: jnp.einsum("enmci,eio->enmco", x, w.astype(x.dtype)))
   ye_ENMCF = jax.lax.with_sharding_constraint(ye_ENMCF.astype(x_TD.dtype), by_expert)
   y_NMSF = jax.lax.with_sharding_constraint(
-      jnp.einsum("nmsec,enmcf->nmsf", combine_NMSEC, ye_ENMCF), groups)
+    jnp.einsum("nmsec,enmcf->nmsf", combine_NMSEC, ye_ENMCF), groups
+  )
   dropped = jnp.sum((mask_NMKSE > 0) & ~keep_NMKSE, dtype=jnp.int32)
   return y_NMSF.reshape(T, -1), dropped
 
@@ -86,8 +88,9 @@ class GShard:
 
   def __call__(self, x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
     del cfg
-    y_TD, dropped = gshard_moe(x_TD, ffn, experts_TK, weights_TK, mesh=mesh,
-                               capacity_factor=self.capacity_factor)
+    y_TD, dropped = gshard_moe(
+      x_TD, ffn, experts_TK, weights_TK, mesh=mesh, capacity_factor=self.capacity_factor
+    )
     return y_TD, {"dropped_items": dropped}
 
 
@@ -113,7 +116,8 @@ def dense_limit(case):
   dtype = jnp.dtype(case.size.dtype)
   f32 = dict(preferred_element_type=jnp.float32)
   abstract = isinstance(case.args[0], jax.ShapeDtypeStruct) or isinstance(
-      getattr(case.args[0], "router_DE", None), jax.ShapeDtypeStruct)
+    getattr(case.args[0], "router_DE", None), jax.ShapeDtypeStruct
+  )
 
   def put(shape, spec, dt=dtype, scale=1.0):
     sharding = NamedSharding(mesh, spec)
@@ -131,8 +135,12 @@ def dense_limit(case):
     def per_device(x_ID, w_1DF):
       return jnp.einsum("id,df->if", x_ID, w_1DF[0], **f32).astype(x_ID.dtype)
   else:
-    ws = (put((D, E), P(), jnp.float32, D**-0.5), put((n_dev, D, F), tok, scale=D**-0.5),
-          put((n_dev, D, F), tok, scale=D**-0.5), put((n_dev, F, D), tok, scale=F**-0.5))
+    ws = (
+      put((D, E), P(), jnp.float32, D**-0.5),
+      put((n_dev, D, F), tok, scale=D**-0.5),
+      put((n_dev, D, F), tok, scale=D**-0.5),
+      put((n_dev, F, D), tok, scale=F**-0.5),
+    )
     dy = put((T * K, D), tok)
 
     def per_device(x_ID, router_DE, gate_1DF, up_1DF, down_1FD):

@@ -38,6 +38,7 @@ from bench import malloc, report
 from bench.flags import UsageError, parser, settings
 from bench.run import ask_for_devices, backend_started, make_mesh, run
 
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
@@ -57,7 +58,7 @@ def _main(argv):
     try:
       import matplotlib  # noqa: F401 - only checked here
     except ImportError:
-      raise UsageError("--plot needs matplotlib: pip install -e \".[bench]\"") from None
+      raise UsageError('--plot needs matplotlib: pip install -e ".[bench]"') from None
   if a.from_json:
     try:
       with open(a.from_json) as f:
@@ -75,16 +76,22 @@ def _main(argv):
     # Compile only: no TPU is opened, so libtpu's one-process lock is not needed.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   # Before JAX starts its threads: timed programs reuse freed memory (`bench/malloc.py`).
-  allocator = (malloc.SYSTEM + " (--system-malloc)" if a.system_malloc else
-               malloc.SYSTEM + " (--tpu: nothing runs)" if a.tpu else
-               malloc.reuse_freed_memory())
+  allocator = (
+    malloc.SYSTEM + " (--system-malloc)"
+    if a.system_malloc
+    else malloc.SYSTEM + " (--tpu: nothing runs)"
+    if a.tpu
+    else malloc.reuse_freed_memory()
+  )
   ask_for_devices(a.devices, a.num_processes)
   from bench import distributed
+
   try:
     distributed.initialize(a)
   except ValueError as err:
     raise UsageError(str(err)) from None
   import jax
+
   import moe_shard as ms
   from bench import common, tpu
 
@@ -100,11 +107,17 @@ def _main(argv):
   info = dict(common.machine_info(), malloc=allocator)
   full = ["python", "-m", "bench", *argv]
   if leader:
-    where = f"TPU {a.tpu} (compile only)" if a.tpu else (
-        f"{len(devices)} {jax.default_backend()} devices, {jax.process_count()} process(es)")
-    print(f"moe_shard benchmark ({s['preset']}): T={s['tokens']} D={s['d_model']} "
-          f"F={s['d_ff']} K={s['top_k']} E={s['experts']} {s['dtype']} on {where}, mesh "
-          f"{mesh.shape[ms.EXPERT]}x{mesh.shape[ms.DATA]}", flush=True)
+    where = (
+      f"TPU {a.tpu} (compile only)"
+      if a.tpu
+      else (f"{len(devices)} {jax.default_backend()} devices, {jax.process_count()} process(es)")
+    )
+    print(
+      f"moe_shard benchmark ({s['preset']}): T={s['tokens']} D={s['d_model']} "
+      f"F={s['d_ff']} K={s['top_k']} E={s['experts']} {s['dtype']} on {where}, mesh "
+      f"{mesh.shape[ms.EXPERT]}x{mesh.shape[ms.DATA]}",
+      flush=True,
+    )
   progress = leader and not a.no_progress
   rows = run(s, a, mesh, progress, tpu_topology=a.tpu)
   if leader:

@@ -25,12 +25,19 @@ def machine_info():
   except OSError:
     pass
   import jaxlib
-  return {"cpu": model, "cores": os.cpu_count(), "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "python": platform.python_version(),
-          "backend": jax.default_backend(), "devices": len(jax.devices()),
-          "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-          "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
-          "load_average_1min": os.getloadavg()[0]}
+
+  return {
+    "cpu": model,
+    "cores": os.cpu_count(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "python": platform.python_version(),
+    "backend": jax.default_backend(),
+    "devices": len(jax.devices()),
+    "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+    "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
+    "load_average_1min": os.getloadavg()[0],
+  }
 
 
 def time_in_turns(fns_args, repeats, on_turn=None):
@@ -101,8 +108,9 @@ def synthetic_routing(routing, tokens, num_experts, k, *, num_devices=8, zipf_s=
   Returns:
     (experts_TK: i32[T, K], weights_TK: f32[T, K]) as NumPy arrays.
   """
-  logp = routing_log_popularity(routing, num_experts, k, num_devices=num_devices,
-                                zipf_s=zipf_s, seed=seed)
+  logp = routing_log_popularity(
+    routing, num_experts, k, num_devices=num_devices, zipf_s=zipf_s, seed=seed
+  )
   rng = np.random.default_rng(seed + 1)
   gumbel = rng.gumbel(size=(tokens, num_experts))
   experts = np.argsort(-(logp + gumbel), axis=1, kind="stable")[:, :k]

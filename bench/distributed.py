@@ -28,12 +28,23 @@ CONNECT_S = 300  # how long initialize waits for every process to join (JAX's de
 def add_arguments(parser):
   """Adds --num-processes, --process-id and --coordinator, defaulting to the JAX_* env vars."""
   env = os.environ.get
-  parser.add_argument("--num-processes", type=int, default=env("JAX_NUM_PROCESSES", "1"),
-                      help="processes in the job (default: $JAX_NUM_PROCESSES or 1)")
-  parser.add_argument("--process-id", type=int, default=env("JAX_PROCESS_ID", "0"),
-                      help="this process, 0 .. N-1 (default: $JAX_PROCESS_ID or 0)")
-  parser.add_argument("--coordinator", default=env("JAX_COORDINATOR_ADDRESS"),
-                      help="host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+  parser.add_argument(
+    "--num-processes",
+    type=int,
+    default=env("JAX_NUM_PROCESSES", "1"),
+    help="processes in the job (default: $JAX_NUM_PROCESSES or 1)",
+  )
+  parser.add_argument(
+    "--process-id",
+    type=int,
+    default=env("JAX_PROCESS_ID", "0"),
+    help="this process, 0 .. N-1 (default: $JAX_PROCESS_ID or 0)",
+  )
+  parser.add_argument(
+    "--coordinator",
+    default=env("JAX_COORDINATOR_ADDRESS"),
+    help="host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)",
+  )
   return parser
 
 
@@ -55,15 +66,21 @@ def initialize(args, *, heartbeat_s=HEARTBEAT_S, connect_s=CONNECT_S):
   if n == 1:
     return
   if not coordinator:
-    raise ValueError(f"distributed.initialize: coordinator must be host:port with {n} "
-                     "processes (--coordinator or $JAX_COORDINATOR_ADDRESS; got none)")
+    raise ValueError(
+      f"distributed.initialize: coordinator must be host:port with {n} "
+      "processes (--coordinator or $JAX_COORDINATOR_ADDRESS; got none)"
+    )
   if not 0 <= pid < n:
     raise ValueError(f"distributed.initialize: process_id must be in [0, {n}) (got {pid})")
   # Collectives between the CPU devices of different processes; GPU and TPU ignore it.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator, num_processes=n,
-                             process_id=pid, initialization_timeout=connect_s,
-                             heartbeat_timeout_seconds=heartbeat_s)
+  jax.distributed.initialize(
+    coordinator_address=coordinator,
+    num_processes=n,
+    process_id=pid,
+    initialization_timeout=connect_s,
+    heartbeat_timeout_seconds=heartbeat_s,
+  )
 
 
 def is_leader():

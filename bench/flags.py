@@ -10,34 +10,92 @@ import argparse
 from bench import LEVELS, MODES, ROUTINGS
 
 PRESETS = {
-    # jit_ragged_dot is left out of the default (XLA replicates its work on every device:
-    # 8x the FLOPs and 3x the time of the next slowest); --impls or --sweep include it.
-    # 5 repeats: with 2, the medians of 8 devices sharing 2 cores moved by up to 30% between
-    # runs (e.g. all_to_all fwd+bwd 1349-2091 ms in one run); the run takes 2.5 min.
-    "default": dict(tokens=8192, d_model=512, d_ff=1024, top_k=2, experts="8",
-                    routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=5,
-                    impls="all_to_all,all_gather,jit_masked_scan,jit_gshard_einsum,dense_limit"),
-    "quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
-                  routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2),
-    "sweep": dict(tokens=4096, d_model=256, d_ff=512, top_k=2, experts="8,64",
-                  routing="uniform,zipf,hot_expert,one_device", levels="kernel,layer",
-                  modes="fwd,fwd_bwd", repeats=2, scaling=True),
-    "tpu": dict(tokens=32768, d_model=2048, d_ff=4096, top_k=2, experts="8,64",
-                routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd", repeats=0),
-    # DeepSeek-like granularity: many small experts, K=8, group-limited sigmoid routing.
-    "deepseek": dict(tokens=2048, d_model=256, d_ff=128, top_k=8, experts="256",
-                     routing="uniform", levels="layer", modes="fwd,fwd_bwd", repeats=2,
-                     router=dict(score_func="sigmoid", num_groups=8, top_k_groups=4,
-                                 routed_scaling=2.5)),
-    "tpu_quick": dict(tokens=2048, d_model=256, d_ff=512, top_k=2, experts="8",
-                      routing="uniform", levels="layer,kernel", modes="fwd,fwd_bwd",
-                      repeats=0),
+  # jit_ragged_dot is left out of the default (XLA replicates its work on every device:
+  # 8x the FLOPs and 3x the time of the next slowest); --impls or --sweep include it.
+  # 5 repeats: with 2, the medians of 8 devices sharing 2 cores moved by up to 30% between
+  # runs (e.g. all_to_all fwd+bwd 1349-2091 ms in one run); the run takes 2.5 min.
+  "default": dict(
+    tokens=8192,
+    d_model=512,
+    d_ff=1024,
+    top_k=2,
+    experts="8",
+    routing="uniform",
+    levels="layer",
+    modes="fwd,fwd_bwd",
+    repeats=5,
+    impls="all_to_all,all_gather,jit_masked_scan,jit_gshard_einsum,dense_limit",
+  ),
+  "quick": dict(
+    tokens=2048,
+    d_model=256,
+    d_ff=512,
+    top_k=2,
+    experts="8",
+    routing="uniform",
+    levels="layer",
+    modes="fwd,fwd_bwd",
+    repeats=2,
+  ),
+  "sweep": dict(
+    tokens=4096,
+    d_model=256,
+    d_ff=512,
+    top_k=2,
+    experts="8,64",
+    routing="uniform,zipf,hot_expert,one_device",
+    levels="kernel,layer",
+    modes="fwd,fwd_bwd",
+    repeats=2,
+    scaling=True,
+  ),
+  "tpu": dict(
+    tokens=32768,
+    d_model=2048,
+    d_ff=4096,
+    top_k=2,
+    experts="8,64",
+    routing="uniform",
+    levels="layer,kernel",
+    modes="fwd,fwd_bwd",
+    repeats=0,
+  ),
+  # DeepSeek-like granularity: many small experts, K=8, group-limited sigmoid routing.
+  "deepseek": dict(
+    tokens=2048,
+    d_model=256,
+    d_ff=128,
+    top_k=8,
+    experts="256",
+    routing="uniform",
+    levels="layer",
+    modes="fwd,fwd_bwd",
+    repeats=2,
+    router=dict(score_func="sigmoid", num_groups=8, top_k_groups=4, routed_scaling=2.5),
+  ),
+  "tpu_quick": dict(
+    tokens=2048,
+    d_model=256,
+    d_ff=512,
+    top_k=2,
+    experts="8",
+    routing="uniform",
+    levels="layer,kernel",
+    modes="fwd,fwd_bwd",
+    repeats=0,
+  ),
 }
 
 
 # Cost against work: the layer at E=64 for growing T (part of --sweep; --scaling alone).
-SCALING = dict(tokens=(2048, 8192, 32768), d_model=512, d_ff=1024, experts=(64,),
-               routing=("uniform",), levels=("layer",))
+SCALING = dict(
+  tokens=(2048, 8192, 32768),
+  d_model=512,
+  d_ff=1024,
+  experts=(64,),
+  routing=("uniform",),
+  levels=("layer",),
+)
 
 
 class UsageError(Exception):
@@ -45,63 +103,98 @@ class UsageError(Exception):
 
 
 def parser():
-  from bench import distributed
-  from bench import cli
+  from bench import cli, distributed
+
   p = argparse.ArgumentParser(
-      prog="python -m bench", description=cli.__doc__.split("\n")[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog="Presets (flags given override them): " + "; ".join(
-          f"{k}: T={v['tokens']} D={v['d_model']} F={v['d_ff']} E={v['experts']} "
-          f"routing={v['routing']} levels={v['levels']}" for k, v in PRESETS.items()))
+    prog="python -m bench",
+    description=cli.__doc__.split("\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog="Presets (flags given override them): "
+    + "; ".join(
+      f"{k}: T={v['tokens']} D={v['d_model']} F={v['d_ff']} E={v['experts']} "
+      f"routing={v['routing']} levels={v['levels']}"
+      for k, v in PRESETS.items()
+    ),
+  )
   g = p.add_mutually_exclusive_group()
   g.add_argument("--quick", action="store_true", help="small sizes, about a minute")
   g.add_argument("--sweep", action="store_true", help="the full matrix (tens of minutes)")
-  g.add_argument("--deepseek", action="store_true",
-                 help="DeepSeek-like layer: E=256, K=8, d_ff=128, sigmoid scores, 8 expert "
-                      "groups of which each token keeps 4, scaling 2.5 (T=2048, D=256 on CPU; "
-                      "with --tpu: T=32768, D=2048, d_ff=1024)")
-  p.add_argument("--tpu", metavar="TOPOLOGY",
-                 help="compile for a TPU topology (e.g. v5e:2x4) without running; needs "
-                      "the tpu extra. Default sizes T=32768 D=2048 F=4096 bf16")
-  p.add_argument("--hbm-table", type=int, metavar="N", default=0,
-                 help="with --tpu: for each program, the N ops and scopes that access the "
-                      "most HBM bytes (loops scaled; bench/hbm.py)")
+  g.add_argument(
+    "--deepseek",
+    action="store_true",
+    help="DeepSeek-like layer: E=256, K=8, d_ff=128, sigmoid scores, 8 expert "
+    "groups of which each token keeps 4, scaling 2.5 (T=2048, D=256 on CPU; "
+    "with --tpu: T=32768, D=2048, d_ff=1024)",
+  )
+  p.add_argument(
+    "--tpu",
+    metavar="TOPOLOGY",
+    help="compile for a TPU topology (e.g. v5e:2x4) without running; needs "
+    "the tpu extra. Default sizes T=32768 D=2048 F=4096 bf16",
+  )
+  p.add_argument(
+    "--hbm-table",
+    type=int,
+    metavar="N",
+    default=0,
+    help="with --tpu: for each program, the N ops and scopes that access the "
+    "most HBM bytes (loops scaled; bench/hbm.py)",
+  )
   p.add_argument("-T", "--tokens", help="tokens in all (B*S); a comma list runs each")
-  p.add_argument("--scaling", action="store_true",
-                 help="also the scaling case: the layer at E=64, uniform, D=512, F=1024, "
-                      "T in 2048, 8192, 32768 (part of --sweep)")
+  p.add_argument(
+    "--scaling",
+    action="store_true",
+    help="also the scaling case: the layer at E=64, uniform, D=512, F=1024, "
+    "T in 2048, 8192, 32768 (part of --sweep)",
+  )
   p.add_argument("-D", "--d-model", type=int)
   p.add_argument("-F", "--d-ff", type=int, help="expert width (kernel: the matrix's F)")
   p.add_argument("-K", "--top-k", type=int)
   p.add_argument("-E", "--experts", help="comma-separated, e.g. 8,64")
   p.add_argument("--mesh", help="EXPERTxDATA, e.g. 8x1 (default: all devices on expert)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"),
-                 help="default float32 (bfloat16 with --tpu)")
-  p.add_argument("--routing", help="comma-separated from uniform, zipf, hot_expert, "
-                                   "one_device")
+  p.add_argument(
+    "--dtype", choices=("float32", "bfloat16"), help="default float32 (bfloat16 with --tpu)"
+  )
+  p.add_argument("--routing", help="comma-separated from uniform, zipf, hot_expert, one_device")
   p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent (default 1.2)")
   p.add_argument("--impls", help="comma-separated from " + ", ".join(_impl_names()))
   p.add_argument("--levels", help="comma-separated from layer, kernel")
   p.add_argument("--modes", help="comma-separated from fwd, fwd_bwd")
   p.add_argument("--repeats", type=int, help="timed runs per program after a warm-up")
-  p.add_argument("--capacity-factor", type=float, default=1.25,
-                 help="jit_gshard_einsum's capacity factor (default 1.25)")
+  p.add_argument(
+    "--capacity-factor",
+    type=float,
+    default=1.25,
+    help="jit_gshard_einsum's capacity factor (default 1.25)",
+  )
   p.add_argument("--chunk-size", type=int, help="all_to_all's slots per pair and round")
-  p.add_argument("--devices", type=int,
-                 help="simulated CPU devices in all, when JAX finds only a CPU (default 8)")
+  p.add_argument(
+    "--devices",
+    type=int,
+    help="simulated CPU devices in all, when JAX finds only a CPU (default 8)",
+  )
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", metavar="STEM",
-                 help="write STEM.json, STEM.csv and STEM.md (machine and argv recorded)")
+  p.add_argument(
+    "--out",
+    metavar="STEM",
+    help="write STEM.json, STEM.csv and STEM.md (machine and argv recorded)",
+  )
   p.add_argument("--json", metavar="PATH")
   p.add_argument("--csv", metavar="PATH")
   p.add_argument("--plot", metavar="PNG", help="bar charts of time and bytes (matplotlib)")
-  p.add_argument("--system-malloc", action="store_true",
-                 help="keep glibc's malloc defaults (default on CPU: freed memory is reused, "
-                      "see bench/malloc.py)")
+  p.add_argument(
+    "--system-malloc",
+    action="store_true",
+    help="keep glibc's malloc defaults (default on CPU: freed memory is reused, "
+    "see bench/malloc.py)",
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-  p.add_argument("--from-json", metavar="PATH",
-                 help="measure nothing: print (and with --out/--csv/--plot, write) the tables "
-                      "and plot of a results file written before")
+  p.add_argument(
+    "--from-json",
+    metavar="PATH",
+    help="measure nothing: print (and with --out/--csv/--plot, write) the tables "
+    "and plot of a results file written before",
+  )
   distributed.add_arguments(p)
   return p
 
@@ -110,8 +203,9 @@ def _list(value, allowed, what):
   items = [v.strip() for v in value.split(",") if v.strip()]
   bad = [v for v in items if v not in allowed]
   if bad or not items:
-    raise UsageError(f"unknown {what} {', '.join(bad) or repr(value)}; choose from "
-                     f"{', '.join(allowed)}")
+    raise UsageError(
+      f"unknown {what} {', '.join(bad) or repr(value)}; choose from {', '.join(allowed)}"
+    )
   return items
 
 
@@ -127,16 +221,28 @@ def _ints(value, what):
 
 def settings(a):
   """Merges the preset with the flags; validates what needs no JAX."""
-  preset = ("tpu_quick" if a.quick else "tpu") if a.tpu else (
-      "quick" if a.quick else "sweep" if a.sweep else "default")
+  preset = (
+    ("tpu_quick" if a.quick else "tpu")
+    if a.tpu
+    else ("quick" if a.quick else "sweep" if a.sweep else "default")
+  )
   if a.deepseek:
     preset = "deepseek"
   s = dict(PRESETS[preset], preset=preset)
   if a.deepseek and a.tpu:
     s.update(tokens=32768, d_model=2048, d_ff=1024, repeats=0)
   s.setdefault("router", {})
-  for key in ("tokens", "d_model", "d_ff", "top_k", "experts", "routing", "levels", "modes",
-              "repeats"):
+  for key in (
+    "tokens",
+    "d_model",
+    "d_ff",
+    "top_k",
+    "experts",
+    "routing",
+    "levels",
+    "modes",
+    "repeats",
+  ):
     if getattr(a, key) is not None:
       s[key] = getattr(a, key)
   s["tokens"] = _ints(str(s["tokens"]), "--tokens")
@@ -171,19 +277,17 @@ def settings(a):
 
 
 def mesh_sizes(spec):
-  """"8x1" -> (8, 1): devices on the expert axis and on the data axis."""
+  """ "8x1" -> (8, 1): devices on the expert axis and on the data axis."""
   try:
     n_e, n_d = (int(v) for v in spec.split("x"))
   except ValueError:
     n_e = n_d = 0
   if n_e < 1 or n_d < 1:
-    raise UsageError(f"--mesh must be EXPERTxDATA with positive sizes, e.g. 8x1 "
-                     f"(got {spec!r})")
+    raise UsageError(f"--mesh must be EXPERTxDATA with positive sizes, e.g. 8x1 (got {spec!r})")
   return n_e, n_d
 
 
 def _impl_names():
   from bench.impls import IMPLS  # imports jax, which is fine: no backend starts here
+
   return tuple(IMPLS)
-
-

@@ -38,9 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import measure
+from bench import common, measure
 
-from bench import common
 
 def _medians(fns_args, repeats):
   return [t["median"] for t in common.time_in_turns(fns_args, repeats)]
@@ -78,14 +77,15 @@ def group_sizes(num_groups, skew, num_rows=M, seed=0):
 def _fwd(impl):
   def f(x_MD, w_GDF, gs_G):
     return gmm_lib.grouped_matmul(x_MD, w_GDF, gs_G, impl=impl)
+
   return f
 
 
 def _fwd_bwd(impl):
   def f(x_MD, w_GDF, gs_G, dy_MF):
-    y_MF, vjp = jax.vjp(lambda x, w: gmm_lib.grouped_matmul(x, w, gs_G, impl=impl),
-                        x_MD, w_GDF)
+    y_MF, vjp = jax.vjp(lambda x, w: gmm_lib.grouped_matmul(x, w, gs_G, impl=impl), x_MD, w_GDF)
     return (y_MF, *vjp(dy_MF))
+
   return f
 
 
@@ -129,57 +129,83 @@ def run(repeats, groups):
           compile_s = time.perf_counter() - t0
           flops = measure.executed_flops(compiled, trips if impl == "tiled" else None)
           mem = measure.memory_bytes(compiled)
-          t_dense, t_impl = _medians([(dense[mode], dargs), (compiled, args)],
-                                          repeats if impl == "tiled" else max(2, repeats // 2))
-          row = {"G": G, "skew": skew, "impl": impl, "mode": mode,
-                 "flops_ratio": flops["executed"] / routed,
-                 "speed_ratio": t_dense / t_impl, "temp_ratio": mem["temp"] / xy_bytes,
-                 "impl_ms": t_impl * 1e3, "dense_ms": t_dense * 1e3,
-                 "executed_flops": flops["executed"], "routed_flops": routed,
-                 "temp_bytes": mem["temp"], "compile_s": compile_s,
-                 "dw_touch_ms": touch_s * 1e3 if mode == "fwd+bwd" else None,
-                 "tiles": list(tiles) if impl == "tiled" else None,
-                 "visits": trips if impl == "tiled" else None,
-                 "group_sizes": gs_np.tolist()}
+          t_dense, t_impl = _medians(
+            [(dense[mode], dargs), (compiled, args)],
+            repeats if impl == "tiled" else max(2, repeats // 2),
+          )
+          row = {
+            "G": G,
+            "skew": skew,
+            "impl": impl,
+            "mode": mode,
+            "flops_ratio": flops["executed"] / routed,
+            "speed_ratio": t_dense / t_impl,
+            "temp_ratio": mem["temp"] / xy_bytes,
+            "impl_ms": t_impl * 1e3,
+            "dense_ms": t_dense * 1e3,
+            "executed_flops": flops["executed"],
+            "routed_flops": routed,
+            "temp_bytes": mem["temp"],
+            "compile_s": compile_s,
+            "dw_touch_ms": touch_s * 1e3 if mode == "fwd+bwd" else None,
+            "tiles": list(tiles) if impl == "tiled" else None,
+            "visits": trips if impl == "tiled" else None,
+            "group_sizes": gs_np.tolist(),
+          }
           rows.append(row)
           print(_row_md(row), flush=True)
     if G > RAGGED_DOT_MAX_G:
-      print(f"  (ragged_dot skipped at G={G}: a dense product over all {G} groups, "
-            f"{G}x the FLOPs, [G, M, F] = {G * M * F * 4 / 2**30:.1f} GiB temporaries)",
-            flush=True)
+      print(
+        f"  (ragged_dot skipped at G={G}: a dense product over all {G} groups, "
+        f"{G}x the FLOPs, [G, M, F] = {G * M * F * 4 / 2**30:.1f} GiB temporaries)",
+        flush=True,
+      )
   return rows
 
 
-HEADER = ("| G | sizes | impl | pass | flops/routed | speed/dense | temp/(x+y) | impl ms | "
-          "dense ms | dw touch ms |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+  "| G | sizes | impl | pass | flops/routed | speed/dense | temp/(x+y) | impl ms | "
+  "dense ms | dw touch ms |\n|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _row_md(r):
   touch = f"{r['dw_touch_ms']:.0f}" if r["dw_touch_ms"] is not None else ""
-  return (f"| {r['G']} | {r['skew']} | {r['impl']} | {r['mode']} | {r['flops_ratio']:.3f} | "
-          f"{r['speed_ratio']:.2f} | {r['temp_ratio']:.2f} | {r['impl_ms']:.0f} | "
-          f"{r['dense_ms']:.0f} | {touch} |")
+  return (
+    f"| {r['G']} | {r['skew']} | {r['impl']} | {r['mode']} | {r['flops_ratio']:.3f} | "
+    f"{r['speed_ratio']:.2f} | {r['temp_ratio']:.2f} | {r['impl_ms']:.0f} | "
+    f"{r['dense_ms']:.0f} | {touch} |"
+  )
 
 
 def to_markdown(rows, info, argv):
-  lines = ["# Grouped matmul on CPU", "",
-           f"`python -m bench.gmm {' '.join(argv)}`".replace(" `", "`"), "",
-           f"Machine: {info['cpu']}, {info['cores']} cores; JAX {info['jax']} (jaxlib "
-           f"{info['jaxlib']}), backend {info['backend']}; GLIBC_TUNABLES="
-           f"{info['GLIBC_TUNABLES'] or '(unset)'}; load average (1 min) "
-           f"{info['loadavg_1min_start']:.1f} at start, {info['loadavg_1min_end']:.1f} at end "
-           f"(other processes share the cores: timings are noisy); {info['repeats']} repeats; "
-           f"{info['seconds']:.0f} s.", "",
-           f"M={M}, D={D}, F={F}, float32. flops/routed: executed / 2MDF (fwd) or 6MDF "
-           "(fwd+bwd), target <= 1.25. speed/dense: dense matmul time / impl time (medians, "
-           "timed in turns), target >= 0.6. temp/(x+y): XLA temp bytes / bytes(x + y), "
-           "target <= 4. dw touch: time to write a fresh f32[G, D, F] (dw's size).", "",
-           HEADER]
+  lines = [
+    "# Grouped matmul on CPU",
+    "",
+    f"`python -m bench.gmm {' '.join(argv)}`".replace(" `", "`"),
+    "",
+    f"Machine: {info['cpu']}, {info['cores']} cores; JAX {info['jax']} (jaxlib "
+    f"{info['jaxlib']}), backend {info['backend']}; GLIBC_TUNABLES="
+    f"{info['GLIBC_TUNABLES'] or '(unset)'}; load average (1 min) "
+    f"{info['loadavg_1min_start']:.1f} at start, {info['loadavg_1min_end']:.1f} at end "
+    f"(other processes share the cores: timings are noisy); {info['repeats']} repeats; "
+    f"{info['seconds']:.0f} s.",
+    "",
+    f"M={M}, D={D}, F={F}, float32. flops/routed: executed / 2MDF (fwd) or 6MDF "
+    "(fwd+bwd), target <= 1.25. speed/dense: dense matmul time / impl time (medians, "
+    "timed in turns), target >= 0.6. temp/(x+y): XLA temp bytes / bytes(x + y), "
+    "target <= 4. dw touch: time to write a fresh f32[G, D, F] (dw's size).",
+    "",
+    HEADER,
+  ]
   lines += [_row_md(r) for r in rows]
   skipped = sorted({G for G in {r["G"] for r in rows} if G > RAGGED_DOT_MAX_G})
   if skipped:
-    lines += ["", f"ragged_dot not run for G in {skipped}: on CPU it is a dense product over "
-              "all groups (G x the FLOPs, [G, M, F] temporaries)."]
+    lines += [
+      "",
+      f"ragged_dot not run for G in {skipped}: on CPU it is a dense product over "
+      "all groups (G x the FLOPs, [G, M, F] temporaries).",
+    ]
   return "\n".join(lines) + "\n"
 
 
@@ -188,18 +214,25 @@ def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m bench.gmm", description=__doc__.split("\n")[0])
   p.add_argument("--repeats", type=int, default=7, help="timed calls per function (default 7)")
   p.add_argument("--quick", action="store_true", help="G in {8, 128} only, 3 repeats")
-  p.add_argument("--groups", default=None,
-                 help="comma-separated G values (default 8,32,128; --quick: 8,128)")
-  p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
-                 help="directory for gmm_cpu.md and gmm_cpu.json (default bench/results)")
+  p.add_argument(
+    "--groups", default=None, help="comma-separated G values (default 8,32,128; --quick: 8,128)"
+  )
+  p.add_argument(
+    "--out",
+    default=os.path.join(os.path.dirname(__file__), "results"),
+    help="directory for gmm_cpu.md and gmm_cpu.json (default bench/results)",
+  )
   args = p.parse_args(argv)
   repeats = 3 if args.quick and "--repeats" not in " ".join(argv) else args.repeats
   info = common.machine_info()
   print(f"# {info['cpu']}, {info['cores']} cores, JAX {info['jax']}", flush=True)
   print(HEADER, flush=True)
   t0 = time.perf_counter()
-  groups = ((8, 128) if args.quick else GROUPS) if args.groups is None else tuple(
-      int(g) for g in args.groups.split(","))
+  groups = (
+    ((8, 128) if args.quick else GROUPS)
+    if args.groups is None
+    else tuple(int(g) for g in args.groups.split(","))
+  )
   rows = run(repeats, groups)
   info["seconds"] = time.perf_counter() - t0
   info["loadavg_1min_end"] = os.getloadavg()[0]
@@ -208,8 +241,11 @@ def main(argv=None):
   with open(os.path.join(args.out, "gmm_cpu.md"), "w") as f:
     f.write(to_markdown(rows, info, argv))
   with open(os.path.join(args.out, "gmm_cpu.json"), "w") as f:
-    json.dump({"machine": info, "shape": {"M": M, "D": D, "F": F, "dtype": "float32"},
-               "rows": rows}, f, indent=1)
+    json.dump(
+      {"machine": info, "shape": {"M": M, "D": D, "F": F, "dtype": "float32"}, "rows": rows},
+      f,
+      indent=1,
+    )
   print(f"wrote {args.out}/gmm_cpu.md and .json in {info['seconds']:.0f} s")
 
 

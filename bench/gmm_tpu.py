@@ -32,21 +32,24 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from bench import tpu  # noqa: E402
-from moe_shard import gmm_tpu  # noqa: E402
+from bench import tpu
+from moe_shard import gmm_tpu
 
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 M, D, F = 8192, 2048, 4096
 GROUPS = (1, 8, 32)
 # The declared cost of a Pallas TPU kernel, in its custom call's backend_config JSON.
-_COST_RE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)",'
-                      r'"bytes_accessed":"(\d+)"')
+_COST_RE = re.compile(
+  r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)",'
+  r'"bytes_accessed":"(\d+)"'
+)
 
 
 def kernel_costs(hlo_text):
@@ -62,9 +65,13 @@ def kernel_costs(hlo_text):
 def kernel_rows(group_sizes_G, num_rows, tm):
   """Rows megablox's gmm multiplies: its visited row tiles (one per group per tile) * tm."""
   _, tiles = _mb.make_group_metadata(
-      group_sizes=jnp.asarray(group_sizes_G, jnp.int32), m=num_rows, tm=tm,
-      start_group=jnp.int32(0), num_nonzero_groups=len(group_sizes_G),
-      visit_empty_groups=False)
+    group_sizes=jnp.asarray(group_sizes_G, jnp.int32),
+    m=num_rows,
+    tm=tm,
+    start_group=jnp.int32(0),
+    num_nonzero_groups=len(group_sizes_G),
+    visit_empty_groups=False,
+  )
   return int(tiles) * tm
 
 
@@ -80,20 +87,28 @@ def _program(impl, mode, tiling):
   def fwd_bwd(x, w, gs, dy):
     y, vjp = jax.vjp(lambda x, w: gmm(x, w, gs), x, w)
     return (y, *vjp(dy))
+
   return fwd_bwd
 
 
 def run(topology, groups):
   dev = tpu.devices(topology)[0]
   s = NamedSharding(Mesh(np.array([dev]), ("x",)), P())
-  sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
-  cases = [(G, impl, mode, None) for G in groups for impl in ("megablox", "ragged_dot")
-           for mode in ("fwd", "fwd+bwd")]
+  sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=s)
+  cases = [
+    (G, impl, mode, None)
+    for G in groups
+    for impl in ("megablox", "ragged_dot")
+    for mode in ("fwd", "fwd+bwd")
+  ]
   # The other row tile, to show what the tiling rule trades: at G=8, 256-row tiles read w
   # twice as often; at G=32, 512-row tiles over 256-row groups multiply every row twice.
-  cases += [(G, "megablox", "fwd", ((256 if tm == 512 else 512), tk, tn))
-            for G in groups if G in (8, 32)
-            for tm, tk, tn in [gmm_tpu.default_tiling(M, D, F, jnp.bfloat16, num_groups=G)]]
+  cases += [
+    (G, "megablox", "fwd", ((256 if tm == 512 else 512), tk, tn))
+    for G in groups
+    if G in (8, 32)
+    for tm, tk, tn in [gmm_tpu.default_tiling(M, D, F, jnp.bfloat16, num_groups=G)]
+  ]
   rows = []
   for G, impl, mode, tiling in cases:
     gs = np.full(G, M // G, np.int32)
@@ -109,22 +124,32 @@ def run(topology, groups):
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     routed = (2 if mode == "fwd" else 6) * M * D * F
     declared = kernel_costs(compiled.as_text())
-    row = {"G": G, "impl": impl, "mode": mode, "tiling": tiling,
-           "flops": float(ca["flops"]), "flops_ratio": float(ca["flops"]) / routed,
-           "kernel_flops": sum(f for f, _ in declared), "kernels": len(declared),
-           "kernel_rows_ratio": (kernel_rows(gs, M, tiling[0]) / M if tiling else None),
-           "bytes": float(ca.get("bytes accessed", 0.0)),
-           "temp": int(compiled.memory_analysis().temp_size_in_bytes),
-           "xla_s": float(ca.get("optimal_seconds", -1.0)), "compile_s": compile_s}
+    row = {
+      "G": G,
+      "impl": impl,
+      "mode": mode,
+      "tiling": tiling,
+      "flops": float(ca["flops"]),
+      "flops_ratio": float(ca["flops"]) / routed,
+      "kernel_flops": sum(f for f, _ in declared),
+      "kernels": len(declared),
+      "kernel_rows_ratio": (kernel_rows(gs, M, tiling[0]) / M if tiling else None),
+      "bytes": float(ca.get("bytes accessed", 0.0)),
+      "temp": int(compiled.memory_analysis().temp_size_in_bytes),
+      "xla_s": float(ca.get("optimal_seconds", -1.0)),
+      "compile_s": compile_s,
+    }
     row["kernel_ratio"] = row["kernel_flops"] / routed
     rows.append(row)
     print(_row_md(row), flush=True)
   return rows
 
 
-HEADER = ("| G | impl | tiling | pass | flops/routed | kernel flops/routed | kernel rows/M | "
-          "bytes GB | temp MiB | xla us | compile s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+  "| G | impl | tiling | pass | flops/routed | kernel flops/routed | kernel rows/M | "
+  "bytes GB | temp MiB | xla us | compile s |\n"
+  "|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _row_md(r):
@@ -132,17 +157,23 @@ def _row_md(r):
   kr = f"{r['kernel_rows_ratio']:.2f}" if r["kernel_rows_ratio"] is not None else ""
   kf = f"{r['kernel_ratio']:.3f} ({r['kernels']})" if r["kernels"] else "0 (0)"
   xla = f"{r['xla_s'] * 1e6:.0f}" if r["xla_s"] >= 0 else "n/a"
-  return (f"| {r['G']} | {r['impl']} | {tiling} | {r['mode']} | {r['flops_ratio']:.3f} | "
-          f"{kf} | {kr} | {r['bytes'] / 1e9:.2f} | {r['temp'] / 2**20:.1f} | {xla} | "
-          f"{r['compile_s']:.1f} |")
+  return (
+    f"| {r['G']} | {r['impl']} | {tiling} | {r['mode']} | {r['flops_ratio']:.3f} | "
+    f"{kf} | {kr} | {r['bytes'] / 1e9:.2f} | {r['temp'] / 2**20:.1f} | {xla} | "
+    f"{r['compile_s']:.1f} |"
+  )
 
 
 def to_markdown(rows, topology, argv, seconds):
-  return "\n".join([
-      f"# Grouped matmul compiled for TPU {topology}, one chip: compile-time estimates", "",
-      f"`python -m bench.gmm_tpu {' '.join(argv)}`".replace(" `", "`"), "",
+  return "\n".join(
+    [
+      f"# Grouped matmul compiled for TPU {topology}, one chip: compile-time estimates",
+      "",
+      f"`python -m bench.gmm_tpu {' '.join(argv)}`".replace(" `", "`"),
+      "",
       f"Nothing ran: every number is read from the program compiled for one abstract "
-      f"{topology} device on a CPU host (JAX {jax.__version__}), in {seconds:.0f} s.", "",
+      f"{topology} device on a CPU host (JAX {jax.__version__}), in {seconds:.0f} s.",
+      "",
       f"M={M}, D={D}, F={F}, bfloat16, G equal groups. flops/routed: XLA's cost_analysis "
       "FLOPs over 2MDF (fwd) or 6MDF (fwd+bwd); Pallas kernels count as the cost they "
       "declare. kernel flops/routed: the declared FLOPs of the tpu_custom_calls (their "
@@ -153,19 +184,27 @@ def to_markdown(rows, topology, argv, seconds):
       "megablox's bytes include one pass over y (and dx) that zeroes the rows past the "
       "groups' total: an elementwise `where` that XLA fuses into y's consumer in a model, "
       "but that is the program's last op here. ragged_dot returns f32 then casts to "
-      "bf16 (as `grouped_matmul(impl=\"ragged_dot\")` does): its 128 MiB temp.", "",
-      HEADER, *[_row_md(r) for r in rows], ""])
+      'bf16 (as `grouped_matmul(impl="ragged_dot")` does): its 128 MiB temp.',
+      "",
+      HEADER,
+      *[_row_md(r) for r in rows],
+      "",
+    ]
+  )
 
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
-  p = argparse.ArgumentParser(prog="python -m bench.gmm_tpu",
-                              description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m bench.gmm_tpu", description=__doc__.split("\n")[0])
   p.add_argument("--topology", default="v5e:2x4", help="TPU topology (default v5e:2x4)")
-  p.add_argument("--groups", default=",".join(map(str, GROUPS)),
-                 help="comma-separated G values (default 1,8,32)")
-  p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
-                 help="directory for gmm_tpu_<generation>.md (default bench/results)")
+  p.add_argument(
+    "--groups", default=",".join(map(str, GROUPS)), help="comma-separated G values (default 1,8,32)"
+  )
+  p.add_argument(
+    "--out",
+    default=os.path.join(os.path.dirname(__file__), "results"),
+    help="directory for gmm_tpu_<generation>.md (default bench/results)",
+  )
   args = p.parse_args(argv)
   print(HEADER, flush=True)
   t0 = time.perf_counter()

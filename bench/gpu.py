@@ -35,8 +35,15 @@ gmm_lib = importlib.import_module("moe_shard.grouped_matmul")
 
 M, D, F = 32768, 2048, 4096
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); the first is the default.
-SWEEP = [(128, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 128, 64, 4, 4), (128, 128, 64, 5, 1),
-         (64, 128, 64, 4, 1), (64, 256, 64, 4, 1), (128, 128, 128, 2, 1)]
+SWEEP = [
+  (128, 128, 64, 4, 1),
+  (128, 128, 64, 4, 2),
+  (128, 128, 64, 4, 4),
+  (128, 128, 64, 5, 1),
+  (64, 128, 64, 4, 1),
+  (64, 256, 64, 4, 1),
+  (128, 128, 128, 2, 1),
+]
 
 
 def _backend(impl):
@@ -91,11 +98,13 @@ def _measure(row, prog, dense_prog, args, repeats, ref=None):
     row["compile_s"] = time.perf_counter() - t0
     if ref is not None:
       row["max_err_vs_first"] = _max_err(out, ref)
-    t_dense, t_impl = (t["median"] for t in common.time_in_turns(
-        [(dense_prog, (x, w[0], dy)), (prog, args)], repeats))
+    t_dense, t_impl = (
+      t["median"]
+      for t in common.time_in_turns([(dense_prog, (x, w[0], dy)), (prog, args)], repeats)
+    )
     row.update(impl_ms=t_impl * 1e3, dense_ms=t_dense * 1e3, speed_vs_dense=t_dense / t_impl)
     return out
-  except Exception as e:  # noqa: BLE001 - a backend that does not run is a row too
+  except Exception as e:
     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return None
 
@@ -112,8 +121,14 @@ def run(groups, impls, repeats, on_row=print):
         progs = _programs(impl)
         for mode in ("fwd", "fwd+bwd"):
           row = dict(G=G, skew=skew, impl=impl, mode=mode)
-          out = _measure(row, progs[mode], dense[mode], (x, w, gs, dy), repeats,
-                         ref=ref if mode == "fwd" else None)
+          out = _measure(
+            row,
+            progs[mode],
+            dense[mode],
+            (x, w, gs, dy),
+            repeats,
+            ref=ref if mode == "fwd" else None,
+          )
           if mode == "fwd" and ref is None and out is not None:
             ref = out
             row["max_err_vs_first"] = 0.0
@@ -127,25 +142,30 @@ def sweep(groups, repeats, on_row=print):
     x, w, dy = _inputs(G)
     gs = jnp.asarray(group_sizes(G, "uniform", num_rows=M))
     for cfg in SWEEP:
-      progs = _programs(None, lambda x, w, gs, b=gmm_gpu.BlockConfig(*cfg):
-                        gmm_gpu.mosaic_gpu_gmm(x, w, gs, blocks=b))
+      progs = _programs(
+        None,
+        lambda x, w, gs, b=gmm_gpu.BlockConfig(*cfg): gmm_gpu.mosaic_gpu_gmm(x, w, gs, blocks=b),
+      )
       for mode in ("fwd", "fwd+bwd"):
-        row = dict(G=G, skew="uniform", impl="mosaic_gpu " + "/".join(map(str, cfg)),
-                   mode=mode)
+        row = dict(G=G, skew="uniform", impl="mosaic_gpu " + "/".join(map(str, cfg)), mode=mode)
         _measure(row, progs[mode], dense[mode], (x, w, gs, dy), repeats)
         on_row(row)
 
 
-HEADER = ("| G | sizes | impl | pass | impl ms | dense ms | speed/dense | max err vs first | "
-          "compile s |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+  "| G | sizes | impl | pass | impl ms | dense ms | speed/dense | max err vs first | "
+  "compile s |\n|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _row_md(r):
   if "error" in r:
     return f"| {r['G']} | {r['skew']} | {r['impl']} | {r['mode']} | {r['error']} | | | | |"
   err = f"{r['max_err_vs_first']:.1e}" if "max_err_vs_first" in r else ""
-  return (f"| {r['G']} | {r['skew']} | {r['impl']} | {r['mode']} | {r['impl_ms']:.3f} | "
-          f"{r['dense_ms']:.3f} | {r['speed_vs_dense']:.2f} | {err} | {r['compile_s']:.1f} |")
+  return (
+    f"| {r['G']} | {r['skew']} | {r['impl']} | {r['mode']} | {r['impl_ms']:.3f} | "
+    f"{r['dense_ms']:.3f} | {r['speed_vs_dense']:.2f} | {err} | {r['compile_s']:.1f} |"
+  )
 
 
 def main(argv=None):
@@ -154,8 +174,12 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--groups", default="8,32,128")
   p.add_argument("--impls", default="auto,ragged_dot,mosaic_gpu,tiled")
-  p.add_argument("--sweep", default=None, metavar="GROUPS",
-                 help="instead: mosaic_gpu's block configs (SWEEP) at these G, e.g. 32,128")
+  p.add_argument(
+    "--sweep",
+    default=None,
+    metavar="GROUPS",
+    help="instead: mosaic_gpu's block configs (SWEEP) at these G, e.g. 32,128",
+  )
   p.add_argument("--out", default=None, help="write STEM.json and STEM.md")
   a = p.parse_args(argv)
   info = common.machine_info()
@@ -181,16 +205,22 @@ def main(argv=None):
 def _write(a, argv, info, rows):
   with open(a.out + ".json", "w") as f:
     json.dump(dict(info=info, argv=argv, rows=rows), f, indent=1)
-  what = ("mosaic_gpu_gmm with each block config (block_m/block_n/block_k/"
-          "max_concurrent_steps/grid_block_n), uniform sizes. " if a.sweep else "")
+  what = (
+    "mosaic_gpu_gmm with each block config (block_m/block_n/block_k/"
+    "max_concurrent_steps/grid_block_n), uniform sizes. "
+    if a.sweep
+    else ""
+  )
   with open(a.out + ".md", "w") as f:
-    f.write(f"# Grouped matmul on one GPU: {info['gpu']}\n\n`python -m bench.gpu "
-            f"{' '.join(argv)}`\n\nMeasured (wall clock, medians of {a.repeats} calls "
-            f"timed in turns with the dense matmul) on {info['gpu']}, JAX {info['jax']}. "
-            f"M={M}, D={D}, F={F}, bfloat16. {what}speed/dense: the time of one dense "
-            "[M, D] @ [D, F] matmul (fwd) or its fwd+bwd over the backend's. max err vs "
-            "first: the forward's largest difference from the first impl's, over max|y|."
-            "\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n")
+    f.write(
+      f"# Grouped matmul on one GPU: {info['gpu']}\n\n`python -m bench.gpu "
+      f"{' '.join(argv)}`\n\nMeasured (wall clock, medians of {a.repeats} calls "
+      f"timed in turns with the dense matmul) on {info['gpu']}, JAX {info['jax']}. "
+      f"M={M}, D={D}, F={F}, bfloat16. {what}speed/dense: the time of one dense "
+      "[M, D] @ [D, F] matmul (fwd) or its fwd+bwd over the backend's. max err vs "
+      "first: the forward's largest difference from the first impl's, over max|y|."
+      "\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,28 @@ from bench import measure
 
 _DECLARED_RE = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"')
 
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
-         "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
-         "add-dependency", "recv-done", "send-done", "all-gather-done", "all-reduce-done",
-         "collective-permute-done", "async-done", "domain"}
+_FREE = {
+  "parameter",
+  "constant",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "while",
+  "call",
+  "conditional",
+  "after-all",
+  "partition-id",
+  "replica-id",
+  "opt-barrier",
+  "add-dependency",
+  "recv-done",
+  "send-done",
+  "all-gather-done",
+  "all-reduce-done",
+  "collective-permute-done",
+  "async-done",
+  "domain",
+}
 
 
 def _scope(attrs):
@@ -46,8 +64,9 @@ def _scope(attrs):
   if not m:
     return ""
   parts = [measure._unwrap(p) for p in m.group(1).split("/")]
-  return "/".join(p for p in parts[1:] if p and p not in ("shard_map", "while", "body",
-                                                           "cond", "checkpoint"))
+  return "/".join(
+    p for p in parts[1:] if p and p not in ("shard_map", "while", "body", "cond", "checkpoint")
+  )
 
 
 def _kernel_computations(mod):
@@ -59,8 +78,9 @@ def _kernel_computations(mod):
     comp = stack.pop()
     for ins in mod.comps.get(comp, ()):
       if ins.opcode in ("call", "conditional"):
-        names = re.findall(r"(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)",
-                           ins.attrs)
+        names = re.findall(
+          r"(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)", ins.attrs
+        )
         for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.attrs):
           names += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
         for n in names:
@@ -98,9 +118,18 @@ def op_bytes(compiled_or_text, trip_counts=None):
       else:
         read = sum(measure.shape_bytes(types.get(o, "")) for o in ins.operands)
         written = measure.shape_bytes(ins.type)
-      rows.append(dict(scope=_scope(ins.attrs), opcode=ins.opcode, name=ins.name,
-                       shape=ins.type.split("{")[0], runs=n, read=read, written=written,
-                       total=n * (read + written)))
+      rows.append(
+        dict(
+          scope=_scope(ins.attrs),
+          opcode=ins.opcode,
+          name=ins.name,
+          shape=ins.type.split("{")[0],
+          runs=n,
+          read=read,
+          written=written,
+          total=n * (read + written),
+        )
+      )
   return sorted(rows, key=lambda r: -r["total"])
 
 
@@ -116,8 +145,10 @@ def executed_bytes(compiled, trip_counts=None, rows=None):
   """
   xla = measure.bytes_accessed(compiled)
   rows = op_bytes(compiled, trip_counts) if rows is None else rows
-  return {"executed": xla + sum((r["read"] + r["written"]) * (r["runs"] - 1) for r in rows),
-          "xla": xla}
+  return {
+    "executed": xla + sum((r["read"] + r["written"]) * (r["runs"] - 1) for r in rows),
+    "xla": xla,
+  }
 
 
 def by_scope(rows, depth=2):
@@ -135,13 +166,18 @@ def table(compiled, trip_counts=None, top=15):
   rows = [r for r in every if r["total"] > 0]
   total = sum(r["total"] for r in rows)
   gb = 1e9
-  lines = [f"HBM bytes by this model: {total / gb:.2f} GB per device per step (XLA's bytes "
-           f"accessed: {xla['xla'] / gb:.2f} GB with loop bodies once, "
-           f"{xla['executed'] / gb:.2f} GB with loop bodies times their trip counts)\n",
-           "| scope | GB | share |", "|---|---|---|"]
+  lines = [
+    f"HBM bytes by this model: {total / gb:.2f} GB per device per step (XLA's bytes "
+    f"accessed: {xla['xla'] / gb:.2f} GB with loop bodies once, "
+    f"{xla['executed'] / gb:.2f} GB with loop bodies times their trip counts)\n",
+    "| scope | GB | share |",
+    "|---|---|---|",
+  ]
   lines += [f"| {s} | {b / gb:.3f} | {b / total:.1%} |" for s, b in by_scope(rows)[:top]]
   lines += ["", "| op | scope | shape | runs | GB | share |", "|---|---|---|---|---|---|"]
   for r in rows[:top]:
-    lines.append(f"| {r['opcode']} {r['name']} | {r['scope'] or '-'} | {r['shape'][:60]} | "
-                 f"{r['runs']:g} | {r['total'] / gb:.3f} | {r['total'] / total:.1%} |")
+    lines.append(
+      f"| {r['opcode']} {r['name']} | {r['scope'] or '-'} | {r['shape'][:60]} | "
+      f"{r['runs']:g} | {r['total'] / gb:.3f} | {r['total'] / total:.1%} |"
+    )
   return "\n".join(lines) + "\n"

@@ -16,7 +16,7 @@ brings an accounting function).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from bench import accounting, baselines
 
@@ -47,15 +47,16 @@ class Impl:
 
 
 IMPLS = {
-    "all_to_all": Impl("all_to_all", accounting.all_to_all),
-    # On CPU (no ragged-all-to-all in XLA) this runs the emulation: padded all_to_alls.
-    "ragged_all_to_all": Impl("ragged_all_to_all", accounting.ragged_all_to_all),
-    "all_gather": Impl("all_gather", accounting.all_gather),
-    "jit_ragged_dot": Impl("ragged_dot", accounting.ragged_dot),
-    "jit_masked_scan": Impl("masked_scan", accounting.masked_scan),
-    "jit_gshard_einsum": Impl(lambda size: baselines.GShard(size.capacity_factor),
-                              accounting.gshard, per_size=True),
-    "dense_limit": Impl(None, accounting.unknown, programs=baselines.dense_limit),
+  "all_to_all": Impl("all_to_all", accounting.all_to_all),
+  # On CPU (no ragged-all-to-all in XLA) this runs the emulation: padded all_to_alls.
+  "ragged_all_to_all": Impl("ragged_all_to_all", accounting.ragged_all_to_all),
+  "all_gather": Impl("all_gather", accounting.all_gather),
+  "jit_ragged_dot": Impl("ragged_dot", accounting.ragged_dot),
+  "jit_masked_scan": Impl("masked_scan", accounting.masked_scan),
+  "jit_gshard_einsum": Impl(
+    lambda size: baselines.GShard(size.capacity_factor), accounting.gshard, per_size=True
+  ),
+  "dense_limit": Impl(None, accounting.unknown, programs=baselines.dense_limit),
 }
 
 

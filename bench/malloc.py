@@ -35,9 +35,11 @@ M_ARENA_MAX = -8
 # jit-only programs' buffers, 0.7-1.2 GiB per device, took this 24 GiB host out of memory).
 MMAP_THRESHOLD = 512 * 2**20
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
-SETTINGS = ((M_ARENA_MAX, 1, "arena_max=1"),
-            (M_MMAP_THRESHOLD, MMAP_THRESHOLD, "mmap_threshold=512 MiB"),
-            (M_TRIM_THRESHOLD, TRIM_THRESHOLD, "trim_threshold=2 GiB"))
+SETTINGS = (
+  (M_ARENA_MAX, 1, "arena_max=1"),
+  (M_MMAP_THRESHOLD, MMAP_THRESHOLD, "mmap_threshold=512 MiB"),
+  (M_TRIM_THRESHOLD, TRIM_THRESHOLD, "trim_threshold=2 GiB"),
+)
 SYSTEM = "system default"
 
 

@@ -54,17 +54,40 @@ import re
 import jax
 import numpy as np
 
-COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce",
-               "collective-permute", "ragged-all-to-all")
+COLLECTIVES = (
+  "all-to-all",
+  "all-gather",
+  "reduce-scatter",
+  "all-reduce",
+  "collective-permute",
+  "ragged-all-to-all",
+)
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16, "s4": 0.5, "u4": 0.5}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+  "s4": 0.5,
+  "u4": 0.5,
+}
 _ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLED_RE = re.compile(
-    r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+  r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
 _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OPNAME_RE = re.compile(r'op_name="([^"]*)"')
@@ -103,9 +126,13 @@ def memory_bytes(compiled):
   `temp` is the scratch the program allocates besides its arguments and outputs.
   """
   m = compiled.memory_analysis()
-  return {"temp": int(m.temp_size_in_bytes), "argument": int(m.argument_size_in_bytes),
-          "output": int(m.output_size_in_bytes), "alias": int(m.alias_size_in_bytes),
-          "generated_code": int(m.generated_code_size_in_bytes)}
+  return {
+    "temp": int(m.temp_size_in_bytes),
+    "argument": int(m.argument_size_in_bytes),
+    "output": int(m.output_size_in_bytes),
+    "alias": int(m.alias_size_in_bytes),
+    "generated_code": int(m.generated_code_size_in_bytes),
+  }
 
 
 def shape_bytes(type_str):
@@ -181,7 +208,7 @@ class WhileLoop:
 
 def _unwrap(scope):
   # "transpose(jvp(gmm_tile_64))" -> "gmm_tile_64".
-  while (m := re.fullmatch(r"[\w]+\((.*)\)", scope)):
+  while m := re.fullmatch(r"[\w]+\((.*)\)", scope):
     scope = m.group(1)
   return scope
 
@@ -245,9 +272,10 @@ class HloModule:
             n = default_trip_count * runs.get(comp, 0.0)
           else:
             raise ValueError(
-                f"measure: while loop {lp.name} (scope {lp.scope()!r}, op_name "
-                f"{lp.op_name!r}) has no known trip count; pass trip_counts="
-                f"{{{lp.scope()!r}: total iterations}} or default_trip_count")
+              f"measure: while loop {lp.name} (scope {lp.scope()!r}, op_name "
+              f"{lp.op_name!r}) has no known trip count; pass trip_counts="
+              f"{{{lp.scope()!r}: total iterations}} or default_trip_count"
+            )
         runs[callee] = runs.get(callee, 0.0) + n
         indegree[callee] -= 1
         if indegree[callee] == 0:
@@ -299,8 +327,9 @@ def parse_hlo(text):
         flops += custom_call_flops(ins.attrs)
       kind = _collective_kind(ins.opcode)
       if kind:
-        c = coll.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0,
-                                   "wire_bytes": 0})
+        c = coll.setdefault(
+          kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0, "wire_bytes": 0}
+        )
         operand = sum(shape_bytes(types.get(o, "")) for o in ins.operands)
         result = _result_bytes(ins)
         c["count"] += 1
@@ -319,8 +348,16 @@ def parse_hlo(text):
         cond = re.search(r"\bcondition=%?([\w.\-]+)", ins.attrs).group(1)
         trip = _TRIP_RE.search(ins.attrs)
         op_name = _OPNAME_RE.search(ins.attrs)
-        loops.append(WhileLoop(ins.name, comp, body, cond, op_name.group(1) if op_name else "",
-                               int(trip.group(1)) if trip else None))
+        loops.append(
+          WhileLoop(
+            ins.name,
+            comp,
+            body,
+            cond,
+            op_name.group(1) if op_name else "",
+            int(trip.group(1)) if trip else None,
+          )
+        )
     calls[comp] = callees
     dot_flops[comp] = flops
     if coll:
@@ -340,6 +377,7 @@ def _counted_loop_trips(loop, comps):
   possibly seen through a copy). Such loops come
   from XLA itself, e.g. the TPU partitioner's windowed einsums.
   """
+
   def by_name(comp):
     return {ins.name: ins for ins in comps.get(comp, ())}
 
@@ -354,8 +392,7 @@ def _counted_loop_trips(loop, comps):
     return int(ins.args)
 
   def element(ins, instrs=None):
-    while (instrs and ins is not None and ins.opcode in ("copy", "bitcast")
-           and ins.operands):
+    while instrs and ins is not None and ins.opcode in ("copy", "bitcast") and ins.operands:
       ins = instrs.get(ins.operands[0])
     m = re.search(r"\bindex=(\d+)", ins.attrs) if ins is not None else None
     return int(m.group(1)) if m and ins.opcode == "get-tuple-element" else None
@@ -392,8 +429,13 @@ def _counted_loop_trips(loop, comps):
   if opcode != "add" or len(operands) != 2:
     return None
   a, b = operands
-  step = (constant(b, body_ins) if element(a, body_ins) == k else
-          constant(a, body_ins) if element(b, body_ins) == k else None)
+  step = (
+    constant(b, body_ins)
+    if element(a, body_ins) == k
+    else constant(a, body_ins)
+    if element(b, body_ins) == k
+    else None
+  )
   if not step or step < 1:
     return None
   return max(0, -(-(limit - start) // step))
@@ -411,7 +453,7 @@ def _parse_instruction(line):
       depth -= ch == ")"
       if depth == 0:
         break
-    type_str, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    type_str, rest = rest[: i + 1], rest[i + 1 :].lstrip()
   else:
     type_str, _, rest = rest.partition(" ")
   op = re.match(r"([\w\-]+)\((.*)$", rest)
@@ -424,10 +466,9 @@ def _parse_instruction(line):
     depth -= ch in ")}"
     if depth == 0:
       break
-  operand_str, attrs = tail[:i], tail[i + 1:]
+  operand_str, attrs = tail[:i], tail[i + 1 :]
   operands = [o.group(1) for o in re.finditer(r"%([\w.\-]+)", operand_str)]
-  return Instruction(name, type_str, opcode, operands, attrs, operand_str.strip(),
-                     bool(m.group(1)))
+  return Instruction(name, type_str, opcode, operands, attrs, operand_str.strip(), bool(m.group(1)))
 
 
 def _dot_flops(ins, types):
@@ -565,10 +606,21 @@ def executed_flops(compiled, trip_counts=None, *, default_trip_count=None):
   own = _own_dot_flops(mod)
   xla = cost_flops(compiled)
   executed = xla + sum(f * (runs.get(c, 0.0) - 1.0) for c, f in own.items())
-  loops = [{"scope": lp.scope(), "body": lp.body, "dot_flops_per_iteration": own[lp.body],
-            "iterations": runs.get(lp.body, 0.0)} for lp in mod.loops]
-  return {"executed": executed, "xla": xla,
-          "dot_executed": sum(f * runs.get(c, 0.0) for c, f in own.items()), "loops": loops}
+  loops = [
+    {
+      "scope": lp.scope(),
+      "body": lp.body,
+      "dot_flops_per_iteration": own[lp.body],
+      "iterations": runs.get(lp.body, 0.0),
+    }
+    for lp in mod.loops
+  ]
+  return {
+    "executed": executed,
+    "xla": xla,
+    "dot_executed": sum(f * runs.get(c, 0.0) for c, f in own.items()),
+    "loops": loops,
+  }
 
 
 def _own_dot_flops(mod):
@@ -609,8 +661,9 @@ def collective_bytes(compiled, trip_counts=None, *, default_trip_count=None):
   for comp, kinds in mod.collectives.items():
     n = runs.get(comp, runs.get(home.get(comp, mod.entry), 1.0))
     for kind, c in kinds.items():
-      t = total.setdefault(kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0,
-                                  "wire_bytes": 0})
+      t = total.setdefault(
+        kind, {"count": 0, "operand_bytes": 0, "result_bytes": 0, "wire_bytes": 0}
+      )
       for key in t:
         t[key] += c[key] * n
   return {k: {key: int(v) for key, v in t.items()} for k, t in total.items()}

@@ -27,30 +27,31 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import functools  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
+import argparse
+import collections
+import functools
+import re
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import moe_shard as ms  # noqa: E402
-from bench import common, malloc  # noqa: E402
-from moe_shard import plan as plan_lib  # noqa: E402
-from moe_shard.grouped_matmul import grouped_matmul  # noqa: E402
+import moe_shard as ms
+from bench import common, malloc
+from moe_shard import plan as plan_lib
+from moe_shard.grouped_matmul import grouped_matmul
 
 D, F, K = 512, 1024, 2
 
 
 def make_mesh():
   devices = np.array(jax.devices()[:8], dtype=object).reshape(8, 1)
-  return jax.sharding.Mesh(devices, (ms.EXPERT, "data"),
-                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  return jax.sharding.Mesh(
+    devices, (ms.EXPERT, "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
 
 
 def layer_programs(T, E, mesh, seed=0):
@@ -74,9 +75,11 @@ def layer_programs(T, E, mesh, seed=0):
 
 def _swiglu_params(key, G, shape_in, shape_out):
   k1, k2, k3 = jax.random.split(key, 3)
-  return ms.SwiGLU(gate_EDF=jax.random.normal(k1, (G, D, F)) / D**0.5,
-                   up_EDF=jax.random.normal(k2, (G, D, F)) / D**0.5,
-                   down_EFD=jax.random.normal(k3, (G, F, D)) / F**0.5)
+  return ms.SwiGLU(
+    gate_EDF=jax.random.normal(k1, (G, D, F)) / D**0.5,
+    up_EDF=jax.random.normal(k2, (G, D, F)) / D**0.5,
+    down_EFD=jax.random.normal(k3, (G, F, D)) / F**0.5,
+  )
 
 
 def gmm_programs(T, E, mesh, seed=0):
@@ -98,8 +101,7 @@ def gmm_programs(T, E, mesh, seed=0):
   exp = P(ms.EXPERT)
 
   def local(ffn_L, x_MD, gs_L):
-    mm = functools.partial(grouped_matmul, group_sizes_G=gs_L,
-                           preferred_element_type=jnp.float32)
+    mm = functools.partial(grouped_matmul, group_sizes_G=gs_L, preferred_element_type=jnp.float32)
     return ffn_L(x_MD, mm)
 
   def fwd(ffn, x, gs, dy):
@@ -139,8 +141,10 @@ def dense_programs(T, E, mesh, seed=0):
 
 def _place(mesh, args, specs):
   """Puts each argument (a pytree) on the mesh with its spec, so no call moves inputs."""
-  return tuple(jax.tree.map(lambda a, s=s: jax.device_put(a, NamedSharding(mesh, s)), a)
-               for a, s in zip(args, specs))
+  return tuple(
+    jax.tree.map(lambda a, s=s: jax.device_put(a, NamedSharding(mesh, s)), a)
+    for a, s in zip(args, specs)
+  )
 
 
 BIG_OP = re.compile(r"^\s*(?:ROOT )?%?(\S+) = (\w+)\[([\d,]*)\][^ ]* (\w[\w-]*)\(")
@@ -159,7 +163,7 @@ def big_ops(hlo_text, min_bytes=1 << 20):
       comp = line.split("(")[0].split()[-1]
       continue
     m = BIG_OP.match(line)
-    if not m or comp is None or "fused_computation" in comp or "fusion" == comp[:6]:
+    if not m or comp is None or "fused_computation" in comp or comp[:6] == "fusion":
       continue
     _, dtype, dims, op = m.groups()
     n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
@@ -175,8 +179,11 @@ def big_ops(hlo_text, min_bytes=1 << 20):
 
 
 def time_case(T, E, mesh, repeats, hlo):
-  progs = {"layer": layer_programs(T, E, mesh), "gmm": gmm_programs(T, E, mesh),
-           "dense": dense_programs(T, E, mesh)}
+  progs = {
+    "layer": layer_programs(T, E, mesh),
+    "gmm": gmm_programs(T, E, mesh),
+    "dense": dense_programs(T, E, mesh),
+  }
   fns_args, names = [], []
   for name, (fwd, fwd_bwd, args) in progs.items():
     for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
@@ -191,8 +198,12 @@ def time_case(T, E, mesh, repeats, hlo):
   load0 = os.getloadavg()[0]
   wall, cpu = time_in_turns(fns_args, repeats)
   load1 = os.getloadavg()[0]
-  return ({k: w * 1e3 for k, w in zip(names, wall)},
-          {k: c * 1e3 for k, c in zip(names, cpu)}, rounds, (load0, load1))
+  return (
+    {k: w * 1e3 for k, w in zip(names, wall)},
+    {k: c * 1e3 for k, c in zip(names, cpu)},
+    rounds,
+    (load0, load1),
+  )
 
 
 def time_in_turns(fns_args, repeats):
@@ -220,28 +231,46 @@ def print_big_ops(text):
   counts = big_ops(text)
   print("  big ops (>= 1 MiB) of the layer's fwd+bwd, by computation:")
   for (comp, kind, shape), n in sorted(counts.items()):
-    if any(s in kind for s in ("copy", "broadcast", "dynamic-update-slice", "fusion", "add",
-                               "dynamic-slice", "while", "select")):
+    if any(
+      s in kind
+      for s in (
+        "copy",
+        "broadcast",
+        "dynamic-update-slice",
+        "fusion",
+        "add",
+        "dynamic-slice",
+        "while",
+        "select",
+      )
+    ):
       print(f"    {comp:50s} {kind:60s} {shape:20s} x{n}")
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(prog="python -m bench.profile_backward",
-                              description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m bench.profile_backward", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--T", default="2048,8192", help="token counts (default 2048,8192)")
   p.add_argument("-E", default="8,64", help="expert counts (default 8,64)")
   p.add_argument("--repeats", type=int, default=5, help="timed turns (default 5)")
   p.add_argument("--hlo", action="store_true", help="list big ops of the layer's fwd+bwd")
-  p.add_argument("--system-malloc", action="store_true",
-                 help="keep glibc's malloc defaults (default: reuse freed memory, as "
-                      "`python -m bench` does; bench/malloc.py)")
+  p.add_argument(
+    "--system-malloc",
+    action="store_true",
+    help="keep glibc's malloc defaults (default: reuse freed memory, as "
+    "`python -m bench` does; bench/malloc.py)",
+  )
   args = p.parse_args(argv)
   allocator = malloc.SYSTEM if args.system_malloc else malloc.reuse_freed_memory()
   mesh = make_mesh()
   info = common.machine_info()
-  print(f"# {info['cpu']}, {info['cores']} cores, JAX {info['jax']}, malloc: {allocator}, "
-        f"{len(jax.devices())} devices, mesh 8x1, D={D} F={F} K={K} SwiGLU f32, "
-        f"{args.repeats} repeats (medians)", flush=True)
+  print(
+    f"# {info['cpu']}, {info['cores']} cores, JAX {info['jax']}, malloc: {allocator}, "
+    f"{len(jax.devices())} devices, mesh 8x1, D={D} F={F} K={K} SwiGLU f32, "
+    f"{args.repeats} repeats (medians)",
+    flush=True,
+  )
   rows = []
   for T in (int(t) for t in args.T.split(",")):
     for E in (int(e) for e in args.E.split(",")):
@@ -257,16 +286,20 @@ def main(argv=None):
 
 
 def _table(rows, which):
-  out = ["| T | E | rounds | layer fwd | layer fwd+bwd | bwd/fwd | gmm fwd | gmm fwd+bwd | "
-         "dense fwd | dense fwd+bwd | eff fwd | eff fwd+bwd | load (1 min) |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  out = [
+    "| T | E | rounds | layer fwd | layer fwd+bwd | bwd/fwd | gmm fwd | gmm fwd+bwd | "
+    "dense fwd | dense fwd+bwd | eff fwd | eff fwd+bwd | load (1 min) |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for row in rows:
     T, E, rounds, t, (l0, l1) = row[:3] + (row[which], row[5])
     lf, lb = t[("layer", "fwd")], t[("layer", "fwd+bwd")]
     df, db = t[("dense", "fwd")], t[("dense", "fwd+bwd")]
-    out.append(f"| {T} | {E} | {rounds} | {lf:.0f} | {lb:.0f} | {lb / lf:.2f} | "
-               f"{t[('gmm', 'fwd')]:.0f} | {t[('gmm', 'fwd+bwd')]:.0f} | {df:.0f} | "
-               f"{db:.0f} | {df / lf:.2f} | {db / lb:.2f} | {l0:.1f}-{l1:.1f} |")
+    out.append(
+      f"| {T} | {E} | {rounds} | {lf:.0f} | {lb:.0f} | {lb / lf:.2f} | "
+      f"{t[('gmm', 'fwd')]:.0f} | {t[('gmm', 'fwd+bwd')]:.0f} | {df:.0f} | "
+      f"{db:.0f} | {df / lf:.2f} | {db / lb:.2f} | {l0:.1f}-{l1:.1f} |"
+    )
   return "\n".join(out)
 
 

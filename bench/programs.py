@@ -29,7 +29,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-
 from bench import common
 from bench.impls import IMPLS
 
@@ -86,8 +85,10 @@ def check_combination(size, E, mesh, level):
   if size.T % mesh.size:
     raise ValueError(f"tokens ({size.T}) must be divisible by the mesh size ({mesh.size})")
   if level == "layer" and size.D < 2:
-    raise ValueError(f"d_model must be >= 2 at layer level, where feature 0 carries the "
-                     f"routing skew (got {size.D})")
+    raise ValueError(
+      f"d_model must be >= 2 at layer level, where feature 0 carries the "
+      f"routing skew (got {size.D})"
+    )
 
 
 def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
@@ -97,10 +98,18 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   T, D, F, K = size.T, size.D, size.F, size.K
   dtype = jnp.dtype(size.dtype)
   # The kernel level reads the dispatch settings (chunk size, expert axis) from it too.
-  cfg = ms.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, param_dtype=dtype,
-                     chunk_size=size.chunk_size, score_func=size.score_func,
-                     num_groups=size.num_groups, top_k_groups=size.top_k_groups,
-                     routed_scaling=size.routed_scaling)
+  cfg = ms.MoEConfig(
+    d_model=D,
+    d_ff=F,
+    num_experts=E,
+    top_k=K,
+    param_dtype=dtype,
+    chunk_size=size.chunk_size,
+    score_func=size.score_func,
+    num_groups=size.num_groups,
+    top_k_groups=size.top_k_groups,
+    routed_scaling=size.routed_scaling,
+  )
   tok = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   rng = np.random.default_rng(seed)
   b = dtype.itemsize
@@ -119,27 +128,48 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     return rng.standard_normal(shape, np.float32) * np.float32(scale)
 
   if level == "kernel":
-    experts, weights = common.synthetic_routing(routing, T, E, K, num_devices=N,
-                                                zipf_s=size.zipf_s, seed=seed)
+    experts, weights = common.synthetic_routing(
+      routing, T, E, K, num_devices=N, zipf_s=size.zipf_s, seed=seed
+    )
     x, w, dy = draw(T, D), draw(E, D, F, scale=1 / np.sqrt(D)), draw(T, F)
     exp = NamedSharding(mesh, P(ms.EXPERT))
-    args = (put(x, tok, dtype), put(w, exp, dtype), put(experts, tok), put(weights, tok),
-            put(dy, tok, dtype))
-    return Case(level, E, routing, size, mesh, args, experts,
-                2.0 * D * F * int(np.sum((experts >= 0) & (experts < E))), bound, cfg)
+    args = (
+      put(x, tok, dtype),
+      put(w, exp, dtype),
+      put(experts, tok),
+      put(weights, tok),
+      put(dy, tok, dtype),
+    )
+    return Case(
+      level,
+      E,
+      routing,
+      size,
+      mesh,
+      args,
+      experts,
+      2.0 * D * F * int(np.sum((experts >= 0) & (experts < E))),
+      bound,
+      cfg,
+    )
   B = mesh.size
   x = rng.standard_normal((B, T // B, D), np.float32)
   x[..., 0] = 1.0  # a constant feature: its router row biases the routing
   router = rng.standard_normal((D, E), np.float32) / np.sqrt(D)
-  router[0] = np.clip(common.routing_log_popularity(routing, E, K, num_devices=N,
-                                                    zipf_s=size.zipf_s, seed=seed), -30, 30)
+  router[0] = np.clip(
+    common.routing_log_popularity(routing, E, K, num_devices=N, zipf_s=size.zipf_s, seed=seed),
+    -30,
+    30,
+  )
   rep = NamedSharding(mesh, P())
   if abstract:
     shapes = ms.moe_param_shapes(cfg)
     specs = ms.moe_param_specs(cfg)
     params = jax.tree.map(
-        lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)),
-        shapes, specs)
+      lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)),
+      shapes,
+      specs,
+    )
   else:
     params = ms.init_moe_params(jax.random.key(seed), cfg, mesh=mesh)
   params = dataclasses.replace(params, router_DE=put(router, rep, np.float32))
@@ -163,8 +193,8 @@ def host_top_k(x_TD, router_DE, k, dtype, size=None):
     G = size.num_groups
     scores = 1 / (1 + np.exp(-logits)) if size.score_func == "sigmoid" else logits
     T, E = scores.shape
-    top2 = -np.sort(-scores.reshape(T, G, E // G), axis=2)[:, :, :min(2, E // G)].sum(axis=2)
-    kept_TG = np.argsort(-top2, axis=1, kind="stable")[:, :size.top_k_groups or G]
+    top2 = -np.sort(-scores.reshape(T, G, E // G), axis=2)[:, :, : min(2, E // G)].sum(axis=2)
+    kept_TG = np.argsort(-top2, axis=1, kind="stable")[:, : size.top_k_groups or G]
     mask_TG = np.zeros((T, G), bool)
     np.put_along_axis(mask_TG, kept_TG, True, axis=1)
     logits = np.where(np.repeat(mask_TG, E // G, axis=1), logits, -np.inf)
@@ -217,6 +247,7 @@ def _dispatch_programs(case, impl):
     def outputs(p, x):
       y, aux = ms.moe_layer(p, x, cfg, mesh=mesh)
       return y, aux["aux_loss"]
+
     (y, _), vjp = jax.vjp(outputs, p, x)
     return (y, *vjp((dy, jnp.ones((), jnp.float32))))
 

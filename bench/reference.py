@@ -38,8 +38,9 @@ class _Linear:
 
 class _SwiGLU:
   def __init__(self, ffn):
-    self.g, self.u, self.d = (np.asarray(a, np.float64)
-                              for a in (ffn.gate_EDF, ffn.up_EDF, ffn.down_EFD))
+    self.g, self.u, self.d = (
+      np.asarray(a, np.float64) for a in (ffn.gate_EDF, ffn.up_EDF, ffn.down_EFD)
+    )
     self.num, self.d_out = self.g.shape[0], self.d.shape[2]
 
   def __call__(self, e, x_MD):
@@ -50,8 +51,13 @@ class _SwiGLU:
 def kernel(x_TD, w_EDF, experts_TK, weights_TK, *, kept=None):
   """The kernel level: one matrix per expert; f32[T, F]."""
   x = np.asarray(x_TD, np.float64)
-  y = _combine(x, np.asarray(experts_TK), np.asarray(weights_TK, np.float64), kept,
-               _Linear(np.asarray(w_EDF, np.float32)))
+  y = _combine(
+    x,
+    np.asarray(experts_TK),
+    np.asarray(weights_TK, np.float64),
+    kept,
+    _Linear(np.asarray(w_EDF, np.float32)),
+  )
   return y.astype(np.float32)
 
 

@@ -10,6 +10,7 @@ import io
 import json
 import os
 
+
 def _ms(t):
   if t is None:
     return "n/a"
@@ -20,51 +21,77 @@ def table(rows):
   """The results as a Markdown table."""
   tpu = any("topology" in r for r in rows)
   if tpu:
-    head = ("| level | T | E | routing | mode | impl | XLA est. ms | XLA est. ms, loops scaled | "
-            "roofline ms (compute/HBM/ICI) | HBM GB (XLA/loops scaled) | eff. | flops x | MiB/dev | x bound "
-            "(uniform/routing) | HBM temp MiB | rounds | dropped | compile s |")
+    head = (
+      "| level | T | E | routing | mode | impl | XLA est. ms | XLA est. ms, loops scaled | "
+      "roofline ms (compute/HBM/ICI) | HBM GB (XLA/loops scaled) | eff. | flops x | MiB/dev | x bound "
+      "(uniform/routing) | HBM temp MiB | rounds | dropped | compile s |"
+    )
   else:
-    head = ("| level | T | E | routing | mode | impl | median ms (min-max) | GFLOP/s | eff. | "
-            "flops x | MiB/dev | x bound (uniform/routing) | temp MiB | rounds | dropped | "
-            "max err | compile s |")
+    head = (
+      "| level | T | E | routing | mode | impl | median ms (min-max) | GFLOP/s | eff. | "
+      "flops x | MiB/dev | x bound (uniform/routing) | temp MiB | rounds | dropped | "
+      "max err | compile s |"
+    )
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
-    common = (f"| {r['level']} | {r['T']} | {r['E']} | {r['routing']} | {r['mode']} | "
-              f"{r['impl']} ")
+    common = f"| {r['level']} | {r['T']} | {r['E']} | {r['routing']} | {r['mode']} | {r['impl']} "
     if "error" in r:
       why = r["error"] if r["error"].startswith("not run") else f"did not compile: {r['error']}"
       out.append(common + f"| {why} |" + " |" * (head.count("|") - 8))
       continue
-    bound = "/".join(f"{r[k]:.2f}" if r.get(k) is not None else "-"
-                     for k in ("bytes_over_bound", "bytes_over_routing_bound"))
+    bound = "/".join(
+      f"{r[k]:.2f}" if r.get(k) is not None else "-"
+      for k in ("bytes_over_bound", "bytes_over_routing_bound")
+    )
     star = "*" if r.get("loop_counted_once") else ""
     eff = f"{r['efficiency']:.2f}" if r.get("efficiency") else "-"
-    tail = (f"| {eff} | {r['flops_ratio']:.2f}{star} | {r['wire_bytes'] / 2**20:.2f}{star} | {bound} | "
-            f"{r['temp_bytes'] / 2**20:.1f} | {r['rounds'] if r['rounds'] else '-'} | "
-            f"{r['dropped']} ")
+    tail = (
+      f"| {eff} | {r['flops_ratio']:.2f}{star} | {r['wire_bytes'] / 2**20:.2f}{star} | {bound} | "
+      f"{r['temp_bytes'] / 2**20:.1f} | {r['rounds'] if r['rounds'] else '-'} | "
+      f"{r['dropped']} "
+    )
     if tpu:
-      roof = (f"{_ms(r['roofline_s'])} ({_ms(r['compute_s'])}/{_ms(r['hbm_s'])}/"
-              f"{_ms(r['ici_s'])})" if "roofline_s" in r else "-")
-      hbm = (f"{r['hbm_bytes_xla'] / 1e9:.1f}/{r['hbm_bytes_accessed'] / 1e9:.1f}"
-             if "hbm_bytes_xla" in r else "-")
-      out.append(common + f"| {_ms(r['xla_optimal_s'])} | {_ms(r['xla_optimal_scaled_s'])} | "
-                 f"{roof} | {hbm} " + tail + f"| {r['compile_s']:.1f} |")
+      roof = (
+        f"{_ms(r['roofline_s'])} ({_ms(r['compute_s'])}/{_ms(r['hbm_s'])}/{_ms(r['ici_s'])})"
+        if "roofline_s" in r
+        else "-"
+      )
+      hbm = (
+        f"{r['hbm_bytes_xla'] / 1e9:.1f}/{r['hbm_bytes_accessed'] / 1e9:.1f}"
+        if "hbm_bytes_xla" in r
+        else "-"
+      )
+      out.append(
+        common + f"| {_ms(r['xla_optimal_s'])} | {_ms(r['xla_optimal_scaled_s'])} | "
+        f"{roof} | {hbm} " + tail + f"| {r['compile_s']:.1f} |"
+      )
     else:
       t = r["time_s"]
       err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
-      out.append(common + f"| {_ms(t['median'])} ({_ms(t['min'])}-{_ms(t['max'])}) | "
-                 f"{r['gflops']:.1f} " + tail + f"| {err} | {r['compile_s']:.1f} |")
+      out.append(
+        common + f"| {_ms(t['median'])} ({_ms(t['min'])}-{_ms(t['max'])}) | "
+        f"{r['gflops']:.1f} " + tail + f"| {err} | {r['compile_s']:.1f} |"
+      )
   if any(r.get("loop_counted_once") for r in rows):
-    out.append("\n\\* a loop XLA generated without a trip count it shows was counted once: "
-               "these FLOPs and bytes are a lower bound.")
+    out.append(
+      "\n\\* a loop XLA generated without a trip count it shows was counted once: "
+      "these FLOPs and bytes are a lower bound."
+    )
   return "\n".join(out) + "\n"
 
 
 def headline(rows):
   """all_to_all against the best jit-only version of each case: time and bytes."""
   tpu = any("topology" in r for r in rows)
-  key = ("roofline_s" if all("roofline_s" in r for r in rows if "error" not in r)
-         else "xla_optimal_scaled_s") if tpu else None
+  key = (
+    (
+      "roofline_s"
+      if all("roofline_s" in r for r in rows if "error" not in r)
+      else "xla_optimal_scaled_s"
+    )
+    if tpu
+    else None
+  )
 
   def seconds(r):
     return r[key] if key else r["time_s"]["median"]
@@ -84,25 +111,30 @@ def headline(rows):
     light = min(jit, key=lambda r: r["wire_bytes"])
     if timed and seconds(a2a) is not None:
       fast = min(timed, key=seconds)
-      speed = (f"{_named(fast)} {_ms(seconds(fast))} | "
-               f"{seconds(fast) / seconds(a2a):.1f}x")
+      speed = f"{_named(fast)} {_ms(seconds(fast))} | {seconds(fast) / seconds(a2a):.1f}x"
     else:
       speed = "n/a | n/a"
     eff = f"{a2a['efficiency']:.2f}" if a2a.get("efficiency") else "-"
     lines.append(
-        f"| {level} | {T} | {E} | {routing} | {mode} | {_ms(seconds(a2a))} | {eff} | {speed} | "
-        f"{a2a['wire_bytes'] / 2**20:.2f} | {_named(light)} {light['wire_bytes'] / 2**20:.2f} "
-        f"| {light['wire_bytes'] / max(a2a['wire_bytes'], 1):.2f}x |")
+      f"| {level} | {T} | {E} | {routing} | {mode} | {_ms(seconds(a2a))} | {eff} | {speed} | "
+      f"{a2a['wire_bytes'] / 2**20:.2f} | {_named(light)} {light['wire_bytes'] / 2**20:.2f} "
+      f"| {light['wire_bytes'] / max(a2a['wire_bytes'], 1):.2f}x |"
+    )
   if not lines:
     return ""
-  what = {"roofline_s": "roofline estimate for the TPU compiled for, not a measurement",
-          "xla_optimal_scaled_s": "XLA's TPU cost estimate, loops scaled; not a measurement",
-          None: "median wall time"}[key]
-  return ("| level | T | E | routing | mode | all_to_all ms | efficiency | fastest jit-only ms "
-          "| speed-up | all_to_all MiB/dev | fewest-bytes jit-only MiB/dev | bytes ratio |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) +
-          f"\n\n(times: {what}; efficiency: the dense limit's time over all_to_all's; bytes "
-          "ratio: the jit-only version's bytes over all_to_all's)\n")
+  what = {
+    "roofline_s": "roofline estimate for the TPU compiled for, not a measurement",
+    "xla_optimal_scaled_s": "XLA's TPU cost estimate, loops scaled; not a measurement",
+    None: "median wall time",
+  }[key]
+  return (
+    "| level | T | E | routing | mode | all_to_all ms | efficiency | fastest jit-only ms "
+    "| speed-up | all_to_all MiB/dev | fewest-bytes jit-only MiB/dev | bytes ratio |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    + "\n".join(lines)
+    + f"\n\n(times: {what}; efficiency: the dense limit's time over all_to_all's; bytes "
+    "ratio: the jit-only version's bytes over all_to_all's)\n"
+  )
 
 
 def _named(row):
@@ -112,33 +144,77 @@ def _named(row):
 
 def markdown(rows, info, argv, s):
   r0 = rows[0]
-  where = (f"compiled for TPU {r0['topology']} on this machine: every time is an estimate, "
-           "nothing ran" if "topology" in r0 else
-           f"{info['devices']} {info['backend']} devices")
-  return (f"# moe_shard benchmark\n\n`{' '.join(argv)}`\n\n"
-          f"T={r0['T']} tokens in all, D={r0['D']}, F={r0['F']}, K={r0['K']}, {r0['dtype']}, "
-          f"mesh {r0['mesh']} (expert x data), {where}. Machine: {info['cpu']}, "
-          f"{info['cores']} cores, JAX {info['jax']}, malloc: "
-          f"{info.get('malloc', 'not recorded')}, load average "
-          f"{info['load_average_1min']:.1f} at start. Layer level: router + dispatch + SwiGLU "
-          "+ combine; kernel level: one [D, F] matrix per expert. See `python -m bench "
-          "--help` for the columns.\n\n## all_to_all against the best jit-only version\n\n"
-          + headline(rows) + "\n## Every row\n\n" + table(rows) + hbm_sections(rows))
+  where = (
+    f"compiled for TPU {r0['topology']} on this machine: every time is an estimate, nothing ran"
+    if "topology" in r0
+    else f"{info['devices']} {info['backend']} devices"
+  )
+  return (
+    f"# moe_shard benchmark\n\n`{' '.join(argv)}`\n\n"
+    f"T={r0['T']} tokens in all, D={r0['D']}, F={r0['F']}, K={r0['K']}, {r0['dtype']}, "
+    f"mesh {r0['mesh']} (expert x data), {where}. Machine: {info['cpu']}, "
+    f"{info['cores']} cores, JAX {info['jax']}, malloc: "
+    f"{info.get('malloc', 'not recorded')}, load average "
+    f"{info['load_average_1min']:.1f} at start. Layer level: router + dispatch + SwiGLU "
+    "+ combine; kernel level: one [D, F] matrix per expert. See `python -m bench "
+    "--help` for the columns.\n\n## all_to_all against the best jit-only version\n\n"
+    + headline(rows)
+    + "\n## Every row\n\n"
+    + table(rows)
+    + hbm_sections(rows)
+  )
 
 
 def hbm_sections(rows):
   """The `--hbm-table` reports of the rows that have one, as Markdown sections."""
-  return "".join(f"\n## HBM: {r['level']} T={r['T']} E={r['E']} {r['routing']} {r['mode']} "
-                 f"{r['impl']}\n\n{r['hbm_table']}" for r in rows if "hbm_table" in r)
+  return "".join(
+    f"\n## HBM: {r['level']} T={r['T']} E={r['E']} {r['routing']} {r['mode']} "
+    f"{r['impl']}\n\n{r['hbm_table']}"
+    for r in rows
+    if "hbm_table" in r
+  )
 
 
-CSV_FIELDS = ("level", "impl", "E", "routing", "mode", "T", "D", "F", "K", "dtype", "mesh",
-              "devices", "time_median_s", "time_min_s", "time_max_s", "compile_s", "gflops",
-              "routed_flops", "executed_flops", "flops_ratio", "wire_bytes",
-              "bytes_over_bound", "bytes_over_routing_bound", "temp_bytes", "rounds", "dropped", "max_abs_err",
-              "efficiency",
-              "topology", "xla_optimal_s", "xla_optimal_scaled_s", "roofline_s",
-              "compute_s", "hbm_s", "ici_s", "hbm_bytes_xla", "hbm_bytes_accessed", "error")
+CSV_FIELDS = (
+  "level",
+  "impl",
+  "E",
+  "routing",
+  "mode",
+  "T",
+  "D",
+  "F",
+  "K",
+  "dtype",
+  "mesh",
+  "devices",
+  "time_median_s",
+  "time_min_s",
+  "time_max_s",
+  "compile_s",
+  "gflops",
+  "routed_flops",
+  "executed_flops",
+  "flops_ratio",
+  "wire_bytes",
+  "bytes_over_bound",
+  "bytes_over_routing_bound",
+  "temp_bytes",
+  "rounds",
+  "dropped",
+  "max_abs_err",
+  "efficiency",
+  "topology",
+  "xla_optimal_s",
+  "xla_optimal_scaled_s",
+  "roofline_s",
+  "compute_s",
+  "hbm_s",
+  "ici_s",
+  "hbm_bytes_xla",
+  "hbm_bytes_accessed",
+  "error",
+)
 
 
 def to_csv(rows):
@@ -148,8 +224,11 @@ def to_csv(rows):
   for r in rows:
     flat = dict(r)
     if "time_s" in r:
-      flat.update(time_median_s=r["time_s"]["median"], time_min_s=r["time_s"]["min"],
-                  time_max_s=r["time_s"]["max"])
+      flat.update(
+        time_median_s=r["time_s"]["median"],
+        time_min_s=r["time_s"]["min"],
+        time_max_s=r["time_s"]["max"],
+      )
     w.writerow(flat)
   return buf.getvalue()
 
@@ -158,14 +237,15 @@ def plot(rows, path):
   """Bar charts of time (or the TPU estimate) and bytes per device, one panel per (level,
   mode), a group of bars per (E, routing)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   tpu = any("topology" in r for r in rows)
   rows = [r for r in rows if "error" not in r]
   panels = list(dict.fromkeys((r["level"], r["mode"]) for r in rows))
   impls = list(dict.fromkeys(r["impl"] for r in rows))
-  fig, axes = plt.subplots(3, len(panels), figsize=(min(5 * len(panels), 22), 10),
-                           squeeze=False)
+  fig, axes = plt.subplots(3, len(panels), figsize=(min(5 * len(panels), 22), 10), squeeze=False)
   width = 0.8 / len(impls)
   for col, (level, mode) in enumerate(panels):
     here = [r for r in rows if (r["level"], r["mode"]) == (level, mode)]
@@ -173,28 +253,42 @@ def plot(rows, path):
     for i, impl in enumerate(impls):
       by = {(r["T"], r["E"], r["routing"]): r for r in here if r["impl"] == impl}
       xs = [j + i * width for j, c in enumerate(cases) if c in by]
-      secs = [by[c].get("roofline_s") if tpu else by[c]["time_s"]["median"]
-              for c in cases if c in by]
-      axes[0, col].bar(xs, [1e3 * t if t is not None else 0 for t in secs], width,
-                       color=f"C{i}", label=impl)
-      axes[1, col].bar(xs, [by[c]["wire_bytes"] / 2**20 for c in cases if c in by], width,
-                       color=f"C{i}", label=impl)
-      axes[2, col].bar(xs, [by[c].get("efficiency") or 0 for c in cases if c in by], width,
-                       color=f"C{i}", label=impl)
+      secs = [
+        by[c].get("roofline_s") if tpu else by[c]["time_s"]["median"] for c in cases if c in by
+      ]
+      axes[0, col].bar(
+        xs, [1e3 * t if t is not None else 0 for t in secs], width, color=f"C{i}", label=impl
+      )
+      axes[1, col].bar(
+        xs,
+        [by[c]["wire_bytes"] / 2**20 for c in cases if c in by],
+        width,
+        color=f"C{i}",
+        label=impl,
+      )
+      axes[2, col].bar(
+        xs,
+        [by[c].get("efficiency") or 0 for c in cases if c in by],
+        width,
+        color=f"C{i}",
+        label=impl,
+      )
     for row, ax in enumerate(axes[:, col]):
       ax.set_yscale("log" if row < 2 else "linear")
       ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
       ax.set_xticklabels([f"T={t}\nE={e}\n{rt}" for t, e, rt in cases], fontsize=7)
     axes[0, col].set_title(f"{level}, {mode.replace('_', '+')}", fontsize=10)
-  axes[0, 0].set_ylabel("roofline estimate, ms (not measured)" if tpu else
-                        "median wall time, ms")
+  axes[0, 0].set_ylabel("roofline estimate, ms (not measured)" if tpu else "median wall time, ms")
   axes[1, 0].set_ylabel("collective MiB sent per device")
   axes[2, 0].set_ylabel("efficiency: dense limit time / time")
   axes[0, 0].legend(fontsize=7)
   r0 = rows[0]
-  fig.suptitle(f"D={r0['D']} F={r0['F']} K={r0['K']} {r0['dtype']}, mesh "
-               f"{r0['mesh']}" + (f", compiled for TPU {r0['topology']}" if tpu else
-                                  f", {r0['devices']} devices"), fontsize=10)
+  fig.suptitle(
+    f"D={r0['D']} F={r0['F']} K={r0['K']} {r0['dtype']}, mesh "
+    f"{r0['mesh']}"
+    + (f", compiled for TPU {r0['topology']}" if tpu else f", {r0['devices']} devices"),
+    fontsize=10,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=80)
   plt.close(fig)
@@ -214,8 +308,9 @@ def write(rows, info, argv, s, a):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
       if kind == "json":
-        json.dump({"machine": info, "argv": argv, "settings": s, "rows": rows}, f, indent=1,
-                  default=str)
+        json.dump(
+          {"machine": info, "argv": argv, "settings": s, "rows": rows}, f, indent=1, default=str
+        )
       elif kind == "csv":
         f.write(to_csv(rows))
       else:
@@ -226,5 +321,3 @@ def write(rows, info, argv, s, a):
     plot(rows, a.plot)
     paths.append(a.plot)
   return paths
-
-

@@ -15,6 +15,7 @@ import time
 
 from bench.flags import UsageError, mesh_sizes
 
+
 def ask_for_devices(count, num_processes):
   """Asks XLA for simulated CPU devices before JAX starts: `count` (default 8) in all, split
   over the processes. Raises UsageError when JAX, or XLA_FLAGS, already fixed another count."""
@@ -22,24 +23,30 @@ def ask_for_devices(count, num_processes):
   local = max(1, (count or 8) // num_processes)
   if backend_started():
     import jax
+
     have = jax.local_device_count()
     if count is not None and jax.default_backend() == "cpu" and have != local:
-      raise UsageError(f"--devices {count}: JAX is already initialised with {have} CPU "
-                       "devices in this process; ask for them before JAX starts")
+      raise UsageError(
+        f"--devices {count}: JAX is already initialised with {have} CPU "
+        "devices in this process; ask for them before JAX starts"
+      )
     return
   flags = os.environ.get("XLA_FLAGS", "")
   m = re.search(flag + r"=(\d+)", flags)
   if m is None:
     os.environ["XLA_FLAGS"] = f"{flags} {flag}={local}".strip()
   elif count is not None and int(m.group(1)) != local:
-    raise UsageError(f"--devices {count} asks for {local} CPU devices per process but "
-                     f"XLA_FLAGS sets {flag}={m.group(1)}")
+    raise UsageError(
+      f"--devices {count} asks for {local} CPU devices per process but "
+      f"XLA_FLAGS sets {flag}={m.group(1)}"
+    )
 
 
 def backend_started():
   if "jax" not in sys.modules:
     return False
   from jax._src import xla_bridge
+
   return bool(getattr(xla_bridge, "_backends", {}))
 
 
@@ -47,17 +54,21 @@ def make_mesh(spec, devices):
   """The (expert, data) Auto mesh of `--mesh` ("8x1"; default: every device on expert)."""
   import jax
   import numpy as np
+
   import moe_shard as ms
+
   n = len(devices)
   n_e, n_d = mesh_sizes(spec) if spec else (n, 1)
   if n_e * n_d > n:
-    hint = ("" if spec is None else
-            "; JAX was initialised with fewer devices, or set "
-            "XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts")
+    hint = (
+      ""
+      if spec is None
+      else "; JAX was initialised with fewer devices, or set "
+      "XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts"
+    )
     raise UsageError(f"mesh {n_e}x{n_d} needs {n_e * n_d} devices, found {n}{hint}")
-  grid = np.array(devices[:n_e * n_d], dtype=object).reshape(n_e, n_d)
-  return jax.sharding.Mesh(grid, (ms.EXPERT, ms.DATA),
-                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  grid = np.array(devices[: n_e * n_d], dtype=object).reshape(n_e, n_d)
+  return jax.sharding.Mesh(grid, (ms.EXPERT, ms.DATA), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 class Progress:
@@ -74,8 +85,7 @@ class Progress:
       return
     frac = self.done / max(self.total, 1)
     bar = "#" * int(24 * frac)
-    line = (f"[{bar:<24}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.0f}s "
-            f"{what}")
+    line = f"[{bar:<24}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.0f}s {what}"
     if self.tty:
       sys.stderr.write("\r" + line[:120].ljust(120))
       if self.done == self.total:
@@ -89,17 +99,30 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   """Measures every (level, E, routing) case; returns the rows."""
   from bench import accounting, common, malloc, measure, tpu
   from bench import programs as progs
+  from bench.flags import SCALING
   from bench.impls import IMPLS
 
-  from bench.flags import SCALING
-
   def sizes_and_cases(part):
-    return [(progs.Size(T=T, D=part["d_model"], F=part["d_ff"], K=s["top_k"],
-                        dtype=s["dtype"], capacity_factor=a.capacity_factor,
-                        zipf_s=a.zipf_s, chunk_size=a.chunk_size, **s["router"]),
-             (lv, E, r))
-            for T in part["tokens"] for lv in part["levels"] for E in part["experts"]
-            for r in part["routing"]]
+    return [
+      (
+        progs.Size(
+          T=T,
+          D=part["d_model"],
+          F=part["d_ff"],
+          K=s["top_k"],
+          dtype=s["dtype"],
+          capacity_factor=a.capacity_factor,
+          zipf_s=a.zipf_s,
+          chunk_size=a.chunk_size,
+          **s["router"],
+        ),
+        (lv, E, r),
+      )
+      for T in part["tokens"]
+      for lv in part["levels"]
+      for E in part["experts"]
+      for r in part["routing"]
+    ]
 
   cases = sizes_and_cases(s) + (sizes_and_cases(SCALING) if s["scaling"] else [])
   for size, (lv, E, _) in cases:  # every impossible combination before any work
@@ -114,8 +137,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   mesh_name = "x".join(str(mesh.shape[k]) for k in mesh.axis_names)
   for size, (level, E, routing) in cases:
     malloc.release_freed_memory()  # the last case's buffers, kept by a reusing malloc
-    case = progs.make_case(level, E, routing, size, mesh, abstract=bool(tpu_topology),
-                           seed=a.seed)
+    case = progs.make_case(level, E, routing, size, mesh, abstract=bool(tpu_topology), seed=a.seed)
     timed = []
     case_rows = []
     kept = {}
@@ -128,13 +150,25 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         kept[impl] = acc.kept
       for mode in s["modes"]:
         args = impl_args
-        base = dict(level=level, impl=impl, E=E, routing=routing, mode=mode, T=size.T,
-                    D=size.D, F=size.F, K=size.K, dtype=size.dtype, mesh=mesh_name,
-                    devices=mesh.size, **({"topology": tpu_topology} if tpu_topology else {}))
+        base = dict(
+          level=level,
+          impl=impl,
+          E=E,
+          routing=routing,
+          mode=mode,
+          T=size.T,
+          D=size.D,
+          F=size.F,
+          K=size.K,
+          dtype=size.dtype,
+          mesh=mesh_name,
+          devices=mesh.size,
+          **({"topology": tpu_topology} if tpu_topology else {}),
+        )
         t0 = time.perf_counter()
         try:
           compiled = fns[mode].lower(*args).compile()
-        except Exception as err:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED: does not fit
+        except Exception as err:
           case_rows.append(dict(base, error=_one_line(err)))
           bar.step(f"failed {level} E={E} {routing} {impl} {mode}")
           if tpu_topology:
@@ -156,22 +190,31 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         wire = sum(c["wire_bytes"] for c in coll.values())
         passes_bytes = 1 if mode == "fwd" else 2  # forward, and the backward's reverse
         bound = case.bound_bytes * passes_bytes
-        row = dict(base, compile_s=compile_s,
-                   routed_flops=case.routed_flops * passes,
-                   executed_flops=executed,
-                   flops_ratio=executed / (case.routed_flops * passes),
-                   wire_bytes=wire,
-                   bytes_over_bound=wire / bound if bound else None,
-                   bytes_over_routing_bound=(wire / (routing_bound * passes_bytes)
-                                             if routing_bound else None),
-                   collectives={k: c["wire_bytes"] for k, c in coll.items()},
-                   temp_bytes=measure.memory_bytes(compiled)["temp"],
-                   rounds=rounds, dropped=dropped,
-                   **({"loop_counted_once": True} if approx else {}))
+        row = dict(
+          base,
+          compile_s=compile_s,
+          routed_flops=case.routed_flops * passes,
+          executed_flops=executed,
+          flops_ratio=executed / (case.routed_flops * passes),
+          wire_bytes=wire,
+          bytes_over_bound=wire / bound if bound else None,
+          bytes_over_routing_bound=(
+            wire / (routing_bound * passes_bytes) if routing_bound else None
+          ),
+          collectives={k: c["wire_bytes"] for k, c in coll.items()},
+          temp_bytes=measure.memory_bytes(compiled)["temp"],
+          rounds=rounds,
+          dropped=dropped,
+          **({"loop_counted_once": True} if approx else {}),
+        )
         if tpu_topology:
           from bench import hbm
-          row.update(tpu.estimates(compiled, busiest, wire, tpu_topology,
-                                   hbm.executed_bytes(compiled, busiest_trips)))
+
+          row.update(
+            tpu.estimates(
+              compiled, busiest, wire, tpu_topology, hbm.executed_bytes(compiled, busiest_trips)
+            )
+          )
           if a.hbm_table:
             row["hbm_table"] = hbm.table(compiled, busiest_trips, top=a.hbm_table)
           bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
@@ -180,9 +223,12 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         case_rows.append(row)
     if not tpu_topology:
       times = common.time_in_turns(
-          [(c, args) for c, args, _ in timed], s["repeats"],
-          on_turn=lambda i: bar.step(f"{'warmed up' if i == 0 else f'timed turn {i}'} "
-                                     f"{level} E={E} {routing}"))
+        [(c, args) for c, args, _ in timed],
+        s["repeats"],
+        on_turn=lambda i: bar.step(
+          f"{'warmed up' if i == 0 else f'timed turn {i}'} {level} E={E} {routing}"
+        ),
+      )
       for (compiled, args, row), t in zip(timed, times):
         row["time_s"] = t
         row["gflops"] = row["routed_flops"] / t["median"] / 1e9
@@ -216,7 +262,9 @@ def _host_memory_short(compiled, fraction=0.75):
   is unknown). `run` returns what malloc holds freed to the kernel before each case
   (`malloc.release_freed_memory`), so that figure includes it."""
   import jax
+
   from bench import measure
+
   if jax.default_backend() != "cpu":
     return None
   try:
@@ -227,8 +275,10 @@ def _host_memory_short(compiled, fraction=0.75):
   need = (mem["temp"] + mem["argument"] + mem["output"]) * jax.local_device_count()
   if need <= fraction * avail:
     return None
-  return (f"not run: needs {need / 2**30:.1f} GiB of host memory for "
-          f"{jax.local_device_count()} simulated devices, {avail / 2**30:.1f} GiB available")
+  return (
+    f"not run: needs {need / 2**30:.1f} GiB of host memory for "
+    f"{jax.local_device_count()} simulated devices, {avail / 2**30:.1f} GiB available"
+  )
 
 
 def _one_line(err):
@@ -252,6 +302,7 @@ def _executed_flops(compiled, trips):
   counts), from each device's trip counts (devices with equal counts share one
   evaluation)."""
   from bench import measure
+
   by_counts = {}
   for t in trips:
     key = tuple(sorted(t.items()))
@@ -268,11 +319,17 @@ def _errors(case, rows, timed, kept):
   impl -> bool[T, K] or None); the layer's reported rounds and drops are recorded beside."""
   import jax
   import numpy as np
+
   from bench import reference
+
   if jax.process_count() > 1:
     return  # the outputs are not all on this process
-  host = [np.asarray(jax.device_get(v)) if not hasattr(v, "router_DE") else
-          jax.tree.map(lambda a: np.asarray(jax.device_get(a)), v) for v in case.args]
+  host = [
+    np.asarray(jax.device_get(v))
+    if not hasattr(v, "router_DE")
+    else jax.tree.map(lambda a: np.asarray(jax.device_get(a)), v)
+    for v in case.args
+  ]
   refs = {}
   for compiled, args, row in timed:
     if row["mode"] != "fwd":
@@ -282,8 +339,11 @@ def _errors(case, rows, timed, kept):
     keep = kept[row["impl"]]
     key = None if keep is None else keep.tobytes()
     if key not in refs:
-      refs[key] = (reference.kernel(*host[:4], kept=keep) if case.level == "kernel" else
-                   reference.layer(host[0], host[1], case.cfg, case.experts_TK, kept=keep))
+      refs[key] = (
+        reference.kernel(*host[:4], kept=keep)
+        if case.level == "kernel"
+        else reference.layer(host[0], host[1], case.cfg, case.experts_TK, kept=keep)
+      )
     out = compiled(*args)
     y = out if case.level == "kernel" else out[0]
     if case.level == "layer":  # what the layer reports, against the host's count

@@ -16,13 +16,13 @@ from __future__ import annotations
 # ("918 TFLOPs", "HBM bandwidth per chip 1638 GBps", "Bidirectional ICI bandwidth (per
 # chip) 800 GBps").
 PEAKS = {
-    "v5e": {"flops": 197e12, "hbm": 819e9, "ici": 400e9 / 2},
-    "v6e": {"flops": 918e12, "hbm": 1638e9, "ici": 800e9 / 2},
+  "v5e": {"flops": 197e12, "hbm": 819e9, "ici": 400e9 / 2},
+  "v6e": {"flops": 918e12, "hbm": 1638e9, "ici": 800e9 / 2},
 }
 
 
 def generation(topology):
-  """"v5e:2x4" -> "v5e"."""
+  """ "v5e:2x4" -> "v5e"."""
   return topology.split(":", 1)[0].lower()
 
 
@@ -39,10 +39,10 @@ def devices(topology):
   try:
     import libtpu  # noqa: F401
   except ImportError:
-    raise ValueError("--tpu needs libtpu: pip install -e \".[tpu]\"") from None
+    raise ValueError('--tpu needs libtpu: pip install -e ".[tpu]"') from None
   try:
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-  except Exception as err:  # noqa: BLE001 - libtpu raises several kinds
+  except Exception as err:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     raise ValueError(f"--tpu {topology}: cannot describe this topology ({first})") from None
   return list(topo.devices)
@@ -69,17 +69,20 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None):
     hbm_bytes_xla is XLA's own figure (bodies once).
   """
   from bench import measure
+
   ca = measure._cost(compiled)
   opt = float(ca.get("optimal_seconds", -1.0))
   # XLA adds -1 s for each instruction it cannot cost (seen: the transposes of TPU's
   # ragged-dot kernel in a backward pass); such a total is no estimate.
   opt = opt if opt >= 0 else None
-  out = {"xla_optimal_s": opt,
-         "xla_optimal_scaled_s": (None if opt is None else
-                                  opt * flops["executed"] / max(flops["xla"], 1.0)),
-         "hbm_bytes_xla": float(ca.get("bytes accessed", 0.0))}
-  out["hbm_bytes_accessed"] = (out["hbm_bytes_xla"] if hbm_bytes is None
-                               else hbm_bytes["executed"])
+  out = {
+    "xla_optimal_s": opt,
+    "xla_optimal_scaled_s": (
+      None if opt is None else opt * flops["executed"] / max(flops["xla"], 1.0)
+    ),
+    "hbm_bytes_xla": float(ca.get("bytes accessed", 0.0)),
+  }
+  out["hbm_bytes_accessed"] = out["hbm_bytes_xla"] if hbm_bytes is None else hbm_bytes["executed"]
   peak = PEAKS.get(generation(topology))
   if peak is not None:
     out["compute_s"] = flops["executed"] / peak["flops"]

@@ -87,8 +87,7 @@ def real_field(fn, name, value, *, positive):
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise _error(TypeError, fn, name, "a real number", value)
   if not math.isfinite(value) or (value <= 0 if positive else value < 0):
-    raise _error(ValueError, fn, name, "finite and > 0" if positive else "finite and >= 0",
-                 value)
+    raise _error(ValueError, fn, name, "finite and > 0" if positive else "finite and >= 0", value)
   return float(value)
 
 
@@ -123,8 +122,11 @@ def expert_axis_field(fn, value):
   """Returns the expert axis as a str, or a tuple of 2+ distinct str (a list is taken as a
   tuple; a 1-tuple is its one name), so that equal choices hash equally."""
   names = (value,) if isinstance(value, str) else value
-  if (not isinstance(names, (tuple, list)) or not names
-      or not all(isinstance(n, str) and n for n in names)):
+  if (
+    not isinstance(names, (tuple, list))
+    or not names
+    or not all(isinstance(n, str) and n for n in names)
+  ):
     raise _error(TypeError, fn, "expert_axis", AXIS_RULE, value)
   if len(set(names)) != len(names):
     raise _error(ValueError, fn, "expert_axis", AXIS_RULE, value)

@@ -139,15 +139,21 @@ def update_router_bias(params, aux, rate):
   fn = "update_router_bias"
   bias = getattr(params, "router_bias", None)
   if bias is None:
-    raise ValueError(f"{fn}: params.router_bias must be an array (got None): build the "
-                     f"params with MoEConfig(bias_balancing=True)")
+    raise ValueError(
+      f"{fn}: params.router_bias must be an array (got None): build the "
+      f"params with MoEConfig(bias_balancing=True)"
+    )
   if not isinstance(aux, dict) or "expert_load" not in aux:
-    raise ValueError(f"{fn}: aux must be a dict with 'expert_load', the aux of moe_layer "
-                     f"(got {type(aux).__name__})")
+    raise ValueError(
+      f"{fn}: aux must be a dict with 'expert_load', the aux of moe_layer "
+      f"(got {type(aux).__name__})"
+    )
   load = jnp.asarray(aux["expert_load"]).astype(jnp.float32)
   if load.shape != tuple(bias.shape):
-    raise ValueError(f"{fn}: aux['expert_load'] must have the shape of params.router_bias "
-                     f"{tuple(bias.shape)} (got {load.shape})")
+    raise ValueError(
+      f"{fn}: aux['expert_load'] must have the shape of params.router_bias "
+      f"{tuple(bias.shape)} (got {load.shape})"
+    )
   if isinstance(rate, numbers.Real) and not isinstance(rate, bool):
     rate = _checks.real_field(fn, "rate", rate, positive=False)
   elif not (hasattr(rate, "shape") and rate.shape == ()):

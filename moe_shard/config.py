@@ -13,7 +13,7 @@ or a function of the table's signature:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -25,8 +25,9 @@ from moe_shard.sharding import EXPERT
 
 EXPERT_TYPES = ("swiglu", "linear")
 # The top_k router's fields and their defaults, which router="expert_choice" requires.
-TOP_K_ONLY = dict(score_func="softmax", num_groups=1, top_k_groups=None, routed_scaling=1.0,
-                  bias_balancing=False)
+TOP_K_ONLY = dict(
+  score_func="softmax", num_groups=1, top_k_groups=None, routed_scaling=1.0, bias_balancing=False
+)
 IMPLS = ("auto", *DISPATCHES)
 
 
@@ -36,13 +37,11 @@ def _table_field(name, value, names):
     try:
       hash(value)
     except TypeError as e:
-      raise TypeError(f"MoEConfig: {name} must be hashable when a callable (got "
-                      f"{value!r})") from e
+      raise TypeError(f"MoEConfig: {name} must be hashable when a callable (got {value!r})") from e
     return value
   if isinstance(value, str) and value in names:
     return value
-  raise ValueError(f"MoEConfig: {name} must be one of {tuple(names)} or a callable "
-                   f"(got {value!r})")
+  raise ValueError(f"MoEConfig: {name} must be one of {tuple(names)} or a callable (got {value!r})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,23 +146,29 @@ class MoEConfig:
     for name in ("d_model", "d_ff", "num_experts", "top_k"):
       put(name, _checks.int_field(fn, name, getattr(self, name), 1))
     if self.top_k > self.num_experts:
-      raise ValueError(f"{fn}: top_k must be <= num_experts ({self.num_experts}) "
-                       f"(got {self.top_k})")
+      raise ValueError(
+        f"{fn}: top_k must be <= num_experts ({self.num_experts}) (got {self.top_k})"
+      )
     _checks.choice_field(fn, "expert_type", self.expert_type, EXPERT_TYPES)
     _checks.choice_field(fn, "gmm_impl", self.gmm_impl, GMM_IMPLS)
     put("router", _table_field("router", self.router, tuple(ROUTERS)))
     put("impl", _table_field("impl", self.impl, IMPLS))
     if self.expert_type == "linear" and self.d_ff != self.d_model:
-      raise ValueError(f"{fn}: d_ff must equal d_model ({self.d_model}) when "
-                       f"expert_type is 'linear', whose experts map D to F (got {self.d_ff})")
+      raise ValueError(
+        f"{fn}: d_ff must equal d_model ({self.d_model}) when "
+        f"expert_type is 'linear', whose experts map D to F (got {self.d_ff})"
+      )
     if self.capacity_factor is not None:
-      put("capacity_factor", _checks.real_field(fn, "capacity_factor", self.capacity_factor,
-                                                positive=True))
+      put(
+        "capacity_factor",
+        _checks.real_field(fn, "capacity_factor", self.capacity_factor, positive=True),
+      )
     put("chunk_size", _checks.chunk_size_field(fn, self.chunk_size))
     if self.recv_capacity is not None:
       put("recv_capacity", _checks.int_field(fn, "recv_capacity", self.recv_capacity, 1))
-    put("num_shared_experts",
-        _checks.int_field(fn, "num_shared_experts", self.num_shared_experts, 0))
+    put(
+      "num_shared_experts", _checks.int_field(fn, "num_shared_experts", self.num_shared_experts, 0)
+    )
     if self.shared_d_ff is not None:
       put("shared_d_ff", _checks.int_field(fn, "shared_d_ff", self.shared_d_ff, 1))
     _checks.bool_field(fn, "normalize_top_k", self.normalize_top_k)
@@ -185,14 +190,18 @@ class MoEConfig:
     if self.top_k_groups is not None:
       kept = _checks.int_field(fn, "top_k_groups", self.top_k_groups, 1)
       if kept > self.num_groups:
-        raise ValueError(f"{fn}: top_k_groups must be <= num_groups ({self.num_groups}) "
-                         f"(got {kept})")
+        raise ValueError(
+          f"{fn}: top_k_groups must be <= num_groups ({self.num_groups}) (got {kept})"
+        )
       put("top_k_groups", kept)
     if self.top_k > kept * (E // self.num_groups):
-      raise ValueError(f"{fn}: top_k must be <= top_k_groups * num_experts / num_groups "
-                       f"({kept * (E // self.num_groups)}) (got {self.top_k})")
-    put("routed_scaling", _checks.real_field(fn, "routed_scaling", self.routed_scaling,
-                                             positive=True))
+      raise ValueError(
+        f"{fn}: top_k must be <= top_k_groups * num_experts / num_groups "
+        f"({kept * (E // self.num_groups)}) (got {self.top_k})"
+      )
+    put(
+      "routed_scaling", _checks.real_field(fn, "routed_scaling", self.routed_scaling, positive=True)
+    )
     _checks.bool_field(fn, "bias_balancing", self.bias_balancing)
     if self.routing_groups is not None:
       put("routing_groups", _checks.int_field(fn, "routing_groups", self.routing_groups, 1))
@@ -200,8 +209,10 @@ class MoEConfig:
       # Fields of the top_k router that expert choice would silently ignore.
       for name, default in TOP_K_ONLY.items():
         if getattr(self, name) != default:
-          raise ValueError(f"{fn}: {name} must be {default!r} with router 'expert_choice' "
-                           f"(a top_k router field) (got {getattr(self, name)!r})")
+          raise ValueError(
+            f"{fn}: {name} must be {default!r} with router 'expert_choice' "
+            f"(a top_k router field) (got {getattr(self, name)!r})"
+          )
 
   @property
   def shared_hidden(self):

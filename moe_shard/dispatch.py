@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -37,30 +37,46 @@ def masked_scan(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
 def ragged_dot(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
   """`moe_ragged_dot` with `cfg.gmm_impl` (XLA shards it as it likes on a mesh)."""
   del mesh
-  fn = auto(functools.partial(local.moe_ragged_dot, gmm_impl=cfg.gmm_impl), x_TD,
-            lambda spec: spec)
+  fn = auto(functools.partial(local.moe_ragged_dot, gmm_impl=cfg.gmm_impl), x_TD, lambda spec: spec)
   return fn(x_TD, ffn, experts_TK, weights_TK), {}
 
 
 def all_gather(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
   """`moe_all_gather` over `cfg.expert_axis`."""
-  return parallel.moe_all_gather(x_TD, ffn, experts_TK, weights_TK, mesh=mesh,
-                                 expert_axis=cfg.expert_axis, gmm_impl=cfg.gmm_impl), {}
+  return parallel.moe_all_gather(
+    x_TD, ffn, experts_TK, weights_TK, mesh=mesh, expert_axis=cfg.expert_axis, gmm_impl=cfg.gmm_impl
+  ), {}
 
 
 def all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
   """`moe_all_to_all` over `cfg.expert_axis`; stats: rounds, items sent, invalid ids."""
-  return parallel.moe_all_to_all(x_TD, ffn, experts_TK, weights_TK, mesh=mesh,
-                                 expert_axis=cfg.expert_axis, chunk_size=cfg.chunk_size,
-                                 return_stats=True, gmm_impl=cfg.gmm_impl)
+  return parallel.moe_all_to_all(
+    x_TD,
+    ffn,
+    experts_TK,
+    weights_TK,
+    mesh=mesh,
+    expert_axis=cfg.expert_axis,
+    chunk_size=cfg.chunk_size,
+    return_stats=True,
+    gmm_impl=cfg.gmm_impl,
+  )
 
 
 def ragged_all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
   """`moe_ragged_all_to_all` over `cfg.expert_axis` (receive buffer `cfg.recv_capacity`);
   stats: rounds, items sent and received, invalid ids."""
   return parallel.moe_ragged_all_to_all(
-      x_TD, ffn, experts_TK, weights_TK, mesh=mesh, expert_axis=cfg.expert_axis,
-      capacity=cfg.recv_capacity, return_stats=True, gmm_impl=cfg.gmm_impl)
+    x_TD,
+    ffn,
+    experts_TK,
+    weights_TK,
+    mesh=mesh,
+    expert_axis=cfg.expert_axis,
+    capacity=cfg.recv_capacity,
+    return_stats=True,
+    gmm_impl=cfg.gmm_impl,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +93,11 @@ class Dispatch:
 
 
 DISPATCHES = {
-    "masked_scan": Dispatch(masked_scan),
-    "ragged_dot": Dispatch(ragged_dot),
-    "all_gather": Dispatch(all_gather, needs_mesh=True),
-    "all_to_all": Dispatch(all_to_all, needs_mesh=True),
-    "ragged_all_to_all": Dispatch(ragged_all_to_all, needs_mesh=True),
+  "masked_scan": Dispatch(masked_scan),
+  "ragged_dot": Dispatch(ragged_dot),
+  "all_gather": Dispatch(all_gather, needs_mesh=True),
+  "all_to_all": Dispatch(all_to_all, needs_mesh=True),
+  "ragged_all_to_all": Dispatch(ragged_all_to_all, needs_mesh=True),
 }
 
 # Where "auto" takes the ragged dispatch: platforms whose XLA has ragged-all-to-all.

@@ -61,4 +61,3 @@ class MoE(eqx.Module):
   def __call__(self, x_BSD):
     """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`)."""
     return moe_layer(self.params, x_BSD, self.cfg, mesh=self.mesh)
-

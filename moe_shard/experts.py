@@ -75,8 +75,10 @@ class SwiGLU:
     """Raises ValueError unless gate, up are [E, D, F] and down is [E, F, D]."""
     g, u, d = self.gate_EDF.shape, self.up_EDF.shape, self.down_EFD.shape
     if len(g) != 3 or u != g or d != (g[0], g[2], g[1]):
-      raise ValueError(f"{fn}: SwiGLU needs gate_EDF and up_EDF of one shape [E, D, F] and "
-                       f"down_EFD of shape [E, F, D] (got gate {g}, up {u}, down {d})")
+      raise ValueError(
+        f"{fn}: SwiGLU needs gate_EDF and up_EDF of one shape [E, D, F] and "
+        f"down_EFD of shape [E, F, D] (got gate {g}, up {u}, down {d})"
+      )
 
   def __call__(self, x_MD, matmul):
     """Applies the expert to tokens; returns f32[M, D].
@@ -107,8 +109,10 @@ def as_ffn(fn, w):
   if isinstance(w, (jax.Array, jax.core.Tracer)) or hasattr(w, "__array__"):
     w = Linear(_checks.float_array(fn, "w", w, ndim=3))
   if not callable(w) or not all(hasattr(type(w), a) for a in ("d_in", "d_out")):
-    raise TypeError(f"{fn}: w must be an f[E, D, F] array or an expert FFN such as SwiGLU "
-                    f"(got {type(w).__name__})")
+    raise TypeError(
+      f"{fn}: w must be an f[E, D, F] array or an expert FFN such as SwiGLU "
+      f"(got {type(w).__name__})"
+    )
   sizes = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(w):
     name = "w" + jax.tree_util.keystr(path)
@@ -120,8 +124,9 @@ def as_ffn(fn, w):
     raise ValueError(f"{fn}: w must have at least one array leaf (got {w!r})")
   if len(set(sizes.values())) != 1:
     listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
-    raise ValueError(f"{fn}: every leaf of w must have the same number of experts on axis 0 "
-                     f"(got {listed})")
+    raise ValueError(
+      f"{fn}: every leaf of w must have the same number of experts on axis 0 (got {listed})"
+    )
   if hasattr(w, "check_shapes"):
     w.check_shapes(fn)
   return w, next(iter(sizes.values()))
@@ -129,5 +134,4 @@ def as_ffn(fn, w):
 
 def dense_matmul(x_MD, w_DF):
   """`x @ w` for one expert's matrix, accumulating in float32; returns f32[M, F]."""
-  return jnp.einsum("md,df->mf", x_MD, w_DF.astype(x_MD.dtype),
-                    preferred_element_type=jnp.float32)
+  return jnp.einsum("md,df->mf", x_MD, w_DF.astype(x_MD.dtype), preferred_element_type=jnp.float32)

@@ -47,8 +47,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moe_shard.gmm_pallas import (check_inputs, clip_group_sizes, no_vma_check, round_up,
-                                  vary_like, vary_together, zero_past_groups)
+from moe_shard.gmm_pallas import (
+  check_inputs,
+  clip_group_sizes,
+  no_vma_check,
+  round_up,
+  vary_like,
+  vary_together,
+  zero_past_groups,
+)
 from moe_shard.sharding import varying_axes
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # what the kernels' warpgroup MMAs take here
@@ -57,6 +64,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)  # what the kernels' warpgroup MMAs take he
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
   """The kernels' tile sizes (the same for forward, dx and dw; see the module doc)."""
+
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -102,16 +110,20 @@ def padded_sizes(M, D, F, blocks):
   """
   b = blocks
   cols = b.block_n * b.grid_block_n
-  return (round_up(max(M, 1), math.lcm(b.block_m, b.block_k)),
-          round_up(D, math.lcm(b.block_k, cols, b.block_m)),
-          round_up(F, math.lcm(cols, b.block_k)))
+  return (
+    round_up(max(M, 1), math.lcm(b.block_m, b.block_k)),
+    round_up(D, math.lcm(b.block_k, cols, b.block_m)),
+    round_up(F, math.lcm(cols, b.block_k)),
+  )
 
 
 @functools.cache
 def _kernels():
   """The kernel modules, imported on first use (they pull in Mosaic GPU's Python side)."""
-  return (importlib.import_module("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"),
-          importlib.import_module("jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu"))
+  return (
+    importlib.import_module("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"),
+    importlib.import_module("jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu"),
+  )
 
 
 def _default_device_is_a_gpu():
@@ -138,12 +150,12 @@ def _gmm_bwd(blocks, res, dy_QF):
   dy_QF = dy_QF.astype(x_QD.dtype)  # the kernels take one dtype (f32 accumulation inside)
   with no_vma_check():
     # dx = dy @ w[g]^T: contraction over F, output columns over D.
-    dx_QD = rd.ragged_dot(dy_QF, w_GDF, group_sizes=group_sizes_G, transpose_rhs=True,
-                          **blocks.kwargs())
+    dx_QD = rd.ragged_dot(
+      dy_QF, w_GDF, group_sizes=group_sizes_G, transpose_rhs=True, **blocks.kwargs()
+    )
     # dw[g] = x[rows of g]^T @ dy[rows of g]; empty groups written with zeros.
     if _default_device_is_a_gpu():
-      dw_GDF = trd.transposed_ragged_dot(x_QD, dy_QF, group_sizes=group_sizes_G,
-                                         **blocks.kwargs())
+      dw_GDF = trd.transposed_ragged_dot(x_QD, dy_QF, group_sizes=group_sizes_G, **blocks.kwargs())
     else:  # traced off a GPU (see the module doc): the same dw, never run here
       dw_GDF = _dw_reference(x_QD, dy_QF, group_sizes_G)
   dx_QD, dw_GDF = vary_like(varying_axes(x_QD), dx_QD, dw_GDF.astype(w_GDF.dtype))
@@ -155,10 +167,13 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def _dw_reference(x_QD, dy_QF, group_sizes_G):
   dims = jax.lax.RaggedDotDimensionNumbers(
-      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
-      rhs_group_dimensions=[])
-  return jax.lax.ragged_dot_general(x_QD, dy_QF, group_sizes_G, dims,
-                                    preferred_element_type=jnp.float32).astype(x_QD.dtype)
+    dot_dimension_numbers=(((0,), (0,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+  )
+  return jax.lax.ragged_dot_general(
+    x_QD, dy_QF, group_sizes_G, dims, preferred_element_type=jnp.float32
+  ).astype(x_QD.dtype)
 
 
 def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, blocks=None):
@@ -185,13 +200,14 @@ def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, b
   """
   fn = "mosaic_gpu_gmm"
   x_MD, w_GDF, group_sizes_G, out_dtype = check_inputs(
-      fn, x_MD, w_GDF, group_sizes_G, DTYPES, "the Mosaic GPU kernels", preferred_element_type)
+    fn, x_MD, w_GDF, group_sizes_G, DTYPES, "the Mosaic GPU kernels", preferred_element_type
+  )
   (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
   if blocks is None:
     blocks = default_blocks(M, D, F, x_MD.dtype, num_groups=G)
-  if (not isinstance(blocks, BlockConfig)
-      or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                 for v in blocks.kwargs().values())):
+  if not isinstance(blocks, BlockConfig) or not all(
+    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in blocks.kwargs().values()
+  ):
     raise ValueError(f"{fn}: blocks must be a BlockConfig of positive ints (got {blocks!r})")
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
   x_MD, w_GDF, group_sizes_G = vary_together(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)

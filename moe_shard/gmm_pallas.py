@@ -37,16 +37,16 @@ def check_inputs(fn, x_MD, w_GDF, group_sizes_G, dtypes, kernels, preferred_elem
   group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
   if x_MD.dtype not in dtypes:
     names = " or ".join(jnp.dtype(d).name for d in dtypes)
-    raise TypeError(f"{fn}: x_MD must be {names}, the dtypes {kernels} take "
-                    f"(got {x_MD.dtype})")
+    raise TypeError(f"{fn}: x_MD must be {names}, the dtypes {kernels} take (got {x_MD.dtype})")
   D, G = x_MD.shape[1], w_GDF.shape[0]
   if w_GDF.shape[1] != D:
     raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D ({D})")
   if group_sizes_G.shape != (G,):
-    raise ValueError(f"{fn}: group_sizes_G must have shape ({G},), one per group of w_GDF "
-                     f"(got {tuple(group_sizes_G.shape)})")
-  out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None
-                        else preferred_element_type)
+    raise ValueError(
+      f"{fn}: group_sizes_G must have shape ({G},), one per group of w_GDF "
+      f"(got {tuple(group_sizes_G.shape)})"
+    )
+  out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None else preferred_element_type)
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise TypeError(f"{fn}: preferred_element_type must be a float dtype (got {out_dtype})")
   return x_MD, w_GDF, group_sizes_G, out_dtype
@@ -71,9 +71,12 @@ def zero_past_groups(a_PN, group_sizes_G):
 
 def vary_like(axes, *arrays):
   """Casts each array to vary over `axes` (a superset of its own; no-op outside shard_map)."""
-  return tuple(a if varying_axes(a) == axes else
-               jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying")
-               for a in arrays)
+  return tuple(
+    a
+    if varying_axes(a) == axes
+    else jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying")
+    for a in arrays
+  )
 
 
 def vary_together(*arrays):

@@ -75,8 +75,7 @@ def default_tiles(num_rows, num_groups):
     (max_tile, min_tile), powers of two.
   """
   min_tile = 1
-  while (min_tile < PREFERRED_MIN_TILE
-         and num_groups * (2 * min_tile - 1) <= PAD_BUDGET * num_rows):
+  while min_tile < PREFERRED_MIN_TILE and num_groups * (2 * min_tile - 1) <= PAD_BUDGET * num_rows:
     min_tile *= 2
   return DEFAULT_MAX_TILE, min_tile
 
@@ -102,8 +101,7 @@ def tile_sizes(num_rows, max_tile, min_tile):
     if v < 1 or v & (v - 1):
       raise ValueError(f"grouped_matmul: {name} must be a power of two (got {v})")
   if min_tile > max_tile:
-    raise ValueError(f"grouped_matmul: min_tile ({min_tile}) must be <= max_tile "
-                     f"({max_tile})")
+    raise ValueError(f"grouped_matmul: min_tile ({min_tile}) must be <= max_tile ({max_tile})")
   top = max(min_tile, min(max_tile, 1 << max(0, int(num_rows - 1).bit_length())))
   sizes = []
   t = top
@@ -165,10 +163,14 @@ def tile_schedule(group_sizes_G, num_rows, tiles):
     done_G = done_G + t * n_G
   nonempty_G = s_G > 0
   groups = jnp.argsort(~nonempty_G, stable=True).astype(np.int32)
-  return Schedule(groups=groups, num_groups=jnp.sum(nonempty_G).astype(np.int32),
-                  count_GL=jnp.stack(counts, axis=1).astype(np.int32),
-                  first_GL=jnp.stack(firsts, axis=1).astype(np.int32), end_G=end_G,
-                  tiles=tuple(tiles))
+  return Schedule(
+    groups=groups,
+    num_groups=jnp.sum(nonempty_G).astype(np.int32),
+    count_GL=jnp.stack(counts, axis=1).astype(np.int32),
+    first_GL=jnp.stack(firsts, axis=1).astype(np.int32),
+    end_G=end_G,
+    tiles=tuple(tiles),
+  )
 
 
 def _own_zeros(shape, w_GDF, *refs):
@@ -185,11 +187,13 @@ def _own_zeros(shape, w_GDF, *refs):
 
 def _fori(count, body, init):
   """`fori_loop(0, count, body, init)` for a traced `count`, as a plain while_loop."""
+
   def cond(c):
     return c[0] < count
 
   def step(c):
     return c[0] + 1, body(c[0], c[1])
+
   return jax.lax.while_loop(cond, step, (jnp.zeros((), jnp.int32), init))[1]
 
 
@@ -204,6 +208,7 @@ def _for_each_tile(sched, g, num_rows, body, carry):
   end = sched.end_G[g]
   last = len(sched.tiles) - 1
   for l, t in enumerate(sched.tiles):
+
     def step(j, carry, l=l, t=t):
       start = sched.first_GL[g, l] + j * t
       if l < last:  # a whole tile of the group: no mask, no select
@@ -212,6 +217,7 @@ def _for_each_tile(sched, g, num_rows, body, carry):
       r_t = row0 + jnp.arange(t, dtype=jnp.int32)
       mask_t1 = ((r_t >= start) & (r_t < end))[:, None]
       return body(t, row0, mask_t1, carry)
+
     with jax.named_scope(f"{TILE_SCOPE}{t}"):  # names the loop for `measure`
       carry = _fori(sched.count_GL[g, l], step, carry)
   return carry
@@ -230,7 +236,7 @@ def _padded_rows(M, tiles):
   slice start provably 0, so XLA would hoist its matmul out of the (data-dependent) loop
   and run it whether or not the loop runs.
   """
-  return M if M > tiles[0] else tiles[0] + 1
+  return M if tiles[0] < M else tiles[0] + 1
 
 
 def _pad_rows(a_MK, rows):
@@ -267,7 +273,9 @@ def _gmm_fwd_loop(x_MD, w_GDF, sched):
       x_tD = jax.lax.dynamic_slice_in_dim(x_QD, row0, t)
       new_tF = jnp.einsum("td,df->tf", x_tD, w_DF, preferred_element_type=jnp.float32)
       return _write_rows(y_QF, new_tF, row0, mask_t1)
+
     return _for_each_tile(sched, g, Q, tile, y_QF)
+
   return _for_each_group(sched, group, y_QF)[:M]
 
 
@@ -321,5 +329,3 @@ def _gmm_tiled_bwd(tiles, res, dy_MF):
 
 
 gmm_tiled.defvjp(_gmm_tiled_fwd, _gmm_tiled_bwd)
-
-

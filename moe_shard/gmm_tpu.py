@@ -36,8 +36,15 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from moe_shard.gmm_pallas import (check_inputs, clip_group_sizes, no_vma_check, round_up,
-                                  vary_like, vary_together, zero_past_groups)
+from moe_shard.gmm_pallas import (
+  check_inputs,
+  clip_group_sizes,
+  no_vma_check,
+  round_up,
+  vary_like,
+  vary_together,
+  zero_past_groups,
+)
 from moe_shard.sharding import varying_axes as _varying_axes
 
 # The kernel module, not `megablox.gmm` (the package re-exports ops.gmm under that name).
@@ -124,11 +131,19 @@ def _gmm_bwd(out_dtype, tiling, interpret, res, dy_QF):
   dy_QF = dy_QF.astype(x_QD.dtype)  # bf16 in, bf16 products (f32 accumulation)
   with no_vma_check():
     # dx = dy @ w[g]^T: contraction over F (tile tn), output columns over D (tile tk).
-    dx_QD = _mb.gmm(dy_QF, w_GDF, group_sizes_G, x_QD.dtype, (tm, tn, tk),
-                    transpose_rhs=True, interpret=interpret)
+    dx_QD = _mb.gmm(
+      dy_QF, w_GDF, group_sizes_G, x_QD.dtype, (tm, tn, tk), transpose_rhs=True, interpret=interpret
+    )
     # dw[g] = x[rows of g]^T @ dy[rows of g]; every group written, empty ones with zeros.
-    dw_GDF = _mb.tgmm(x_QD.swapaxes(0, 1), dy_QF, group_sizes_G, w_GDF.dtype, tiling,
-                      num_actual_groups=w_GDF.shape[0], interpret=interpret)
+    dw_GDF = _mb.tgmm(
+      x_QD.swapaxes(0, 1),
+      dy_QF,
+      group_sizes_G,
+      w_GDF.dtype,
+      tiling,
+      num_actual_groups=w_GDF.shape[0],
+      interpret=interpret,
+    )
   dx_QD, dw_GDF = vary_like(_varying_axes(x_QD), dx_QD, dw_GDF)
   return zero_past_groups(dx_QD, group_sizes_G), dw_GDF, None
 
@@ -136,8 +151,9 @@ def _gmm_bwd(out_dtype, tiling, interpret, res, dy_QF):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, tiling=None,
-                 interpret=False):
+def megablox_gmm(
+  x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, tiling=None, interpret=False
+):
   """Multiplies each group of rows by its group's matrix with megablox's TPU kernels.
 
   Args:
@@ -162,15 +178,23 @@ def megablox_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, til
   """
   fn = "megablox_gmm"
   x_MD, w_GDF, group_sizes_G, out_dtype = check_inputs(
-      fn, x_MD, w_GDF, group_sizes_G, DTYPES, "megablox's kernels", preferred_element_type)
+    fn, x_MD, w_GDF, group_sizes_G, DTYPES, "megablox's kernels", preferred_element_type
+  )
   (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
   if tiling is None:
     tiling = default_tiling(M, D, F, x_MD.dtype, num_groups=G)
-  if (not isinstance(tiling, (tuple, list)) or len(tiling) != 3
-      or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tiling)
-      or tiling[0] % 8 or tiling[1] % LANES or tiling[2] % LANES):
-    raise ValueError(f"{fn}: tiling must be (tm, tk, tn), positive ints, tm a multiple of "
-                     f"8, tk and tn multiples of {LANES} (got {tiling!r})")
+  if (
+    not isinstance(tiling, (tuple, list))
+    or len(tiling) != 3
+    or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tiling)
+    or tiling[0] % 8
+    or tiling[1] % LANES
+    or tiling[2] % LANES
+  ):
+    raise ValueError(
+      f"{fn}: tiling must be (tm, tk, tn), positive ints, tm a multiple of "
+      f"8, tk and tn multiples of {LANES} (got {tiling!r})"
+    )
   tm, tk, tn = tiling = tuple(tiling)
   # Sizes that end by M: rows past M (and the padding below) belong to no group.
   group_sizes_G = clip_group_sizes(group_sizes_G, M)

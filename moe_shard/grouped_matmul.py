@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks
-from moe_shard.gmm_tiled import default_tiles, gmm_tiled, tile_sizes
 from moe_shard.gmm_gpu import DTYPES as MOSAIC_GPU_DTYPES
 from moe_shard.gmm_gpu import mosaic_gpu_gmm
+from moe_shard.gmm_tiled import default_tiles, gmm_tiled, tile_sizes
 from moe_shard.gmm_tpu import DTYPES as MEGABLOX_DTYPES
 from moe_shard.gmm_tpu import megablox_gmm
 from moe_shard.sharding import match_vma
@@ -74,11 +74,11 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
     return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
 
   def run(interpret):
-    return lambda x, w, gs: megablox_gmm(x, w, gs, preferred_element_type=out_dtype,
-                                         interpret=interpret)
+    return lambda x, w, gs: megablox_gmm(
+      x, w, gs, preferred_element_type=out_dtype, interpret=interpret
+    )
 
-  return jax.lax.platform_dependent(x_MD, w_GDF, group_sizes_G, tpu=run(False),
-                                    default=run(True))
+  return jax.lax.platform_dependent(x_MD, w_GDF, group_sizes_G, tpu=run(False), default=run(True))
 
 
 def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
@@ -91,8 +91,12 @@ def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   return mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype)
 
 
-BACKENDS = {"megablox": megablox, "mosaic_gpu": mosaic_gpu, "ragged_dot": ragged_dot,
-            "tiled": tiled}
+BACKENDS = {
+  "megablox": megablox,
+  "mosaic_gpu": mosaic_gpu,
+  "ragged_dot": ragged_dot,
+  "tiled": tiled,
+}
 # TPU takes megablox (one group: lax.ragged_dot). `platform_dependent` traces its branch on
 # every host; megablox's group metadata would fail shard_map's varying-axes check when JAX
 # transforms a `lax.scan` over layers (scan-over-layers training), so the dispatches' own
@@ -105,8 +109,16 @@ DEFAULT_BACKEND = "tiled"
 IMPLS = ("auto", *BACKENDS)
 
 
-def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, impl="auto", preferred_element_type=None,
-                   max_tile=None, min_tile=None):
+def grouped_matmul(
+  x_MD,
+  w_GDF,
+  group_sizes_G,
+  *,
+  impl="auto",
+  preferred_element_type=None,
+  max_tile=None,
+  min_tile=None,
+):
   """Multiplies each group of rows by its group's matrix.
 
   Args:
@@ -136,29 +148,34 @@ def grouped_matmul(x_MD, w_GDF, group_sizes_G, *, impl="auto", preferred_element
   group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
   _checks.choice_field(fn, "impl", impl, IMPLS)
   if x_MD.shape[1] != w_GDF.shape[1]:
-    raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D "
-                     f"({x_MD.shape[1]})")
+    raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D ({x_MD.shape[1]})")
   if group_sizes_G.shape != (w_GDF.shape[0],):
-    raise ValueError(f"{fn}: group_sizes_G must have shape ({w_GDF.shape[0]},), one per "
-                     f"group of w_GDF (got {tuple(group_sizes_G.shape)})")
+    raise ValueError(
+      f"{fn}: group_sizes_G must have shape ({w_GDF.shape[0]},), one per "
+      f"group of w_GDF (got {tuple(group_sizes_G.shape)})"
+    )
   # Checked here, at trace time, for every backend (a platform branch is traced lazily).
-  tile_sizes(x_MD.shape[0], *_tiles_or_default(x_MD.shape[0], w_GDF.shape[0], max_tile,
-                                               min_tile))
+  tile_sizes(x_MD.shape[0], *_tiles_or_default(x_MD.shape[0], w_GDF.shape[0], max_tile, min_tile))
   out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None else preferred_element_type)
   w_GDF = w_GDF.astype(x_MD.dtype)
   group_sizes_G = group_sizes_G.astype(jnp.int32)
   x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF, group_sizes_G)
 
   def backend(name):
-    return lambda x, w, gs: BACKENDS[name](x, w, gs, out_dtype=out_dtype, max_tile=max_tile,
-                                           min_tile=min_tile)
+    return lambda x, w, gs: BACKENDS[name](
+      x, w, gs, out_dtype=out_dtype, max_tile=max_tile, min_tile=min_tile
+    )
 
   if impl != "auto":
     y = backend(impl)(x_MD, w_GDF, group_sizes_G)
   else:
     y = jax.lax.platform_dependent(
-        x_MD, w_GDF, group_sizes_G, default=backend(DEFAULT_BACKEND),
-        **{platform: backend(name) for platform, name in PLATFORM_BACKENDS.items()})
+      x_MD,
+      w_GDF,
+      group_sizes_G,
+      default=backend(DEFAULT_BACKEND),
+      **{platform: backend(name) for platform, name in PLATFORM_BACKENDS.items()},
+    )
   return y
 
 

@@ -38,14 +38,22 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks
+from moe_shard.balance import expert_load, router_z_loss
 from moe_shard.config import check_config
 from moe_shard.dispatch import choose_impl, get_dispatch
 from moe_shard.params import _check_params, moe_param_specs
-from moe_shard.balance import expert_load, router_z_loss
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
-from moe_shard.sharding import (auto, explicit_mesh, flatten_tokens, like, place, resolve_mesh,
-                                token_spec, unflatten_tokens)
+from moe_shard.sharding import (
+  auto,
+  explicit_mesh,
+  flatten_tokens,
+  like,
+  place,
+  resolve_mesh,
+  token_spec,
+  unflatten_tokens,
+)
 
 # --------------------------------------------------------------------------- routing stage
 
@@ -74,8 +82,7 @@ def num_routing_groups(cfg, num_tokens, mesh=None):
     ValueError: `cfg.routing_groups` does not divide T.
   """
   if cfg.routing_groups is not None:
-    _checks.divisible("moe_layer", "tokens B*S", num_tokens, "routing_groups",
-                      cfg.routing_groups)
+    _checks.divisible("moe_layer", "tokens B*S", num_tokens, "routing_groups", cfg.routing_groups)
     return cfg.routing_groups
   if mesh is not None and num_tokens % mesh.size == 0:
     return mesh.size
@@ -104,10 +111,11 @@ def route(logits_TE, cfg, mesh=None, bias_E=None):
   kwargs = {} if bias_E is None else dict(bias_E=bias_E)
   if mesh is not None and T % mesh.size == 0 and G % mesh.size == 0:
     router = _token_parallel_router(cfg, mesh, G // mesh.size, bias_E is not None)
-    return router(place(logits_TE, mesh, token_spec(mesh)),
-                  *([] if bias_E is None else [place(bias_E, mesh, P())]))
-  router = functools.partial(route_in_groups, get_router(cfg.router), cfg=cfg, groups=G,
-                             **kwargs)
+    return router(
+      place(logits_TE, mesh, token_spec(mesh)),
+      *([] if bias_E is None else [place(bias_E, mesh, P())]),
+    )
+  router = functools.partial(route_in_groups, get_router(cfg.router), cfg=cfg, groups=G, **kwargs)
   if G == 1:
     return router(logits_TE)
   # Groups of a token-split array: let XLA choose the shardings of the reshape and the sort.
@@ -125,8 +133,9 @@ def _token_parallel_router(cfg, mesh, groups_per_device, with_bias):
     return route_in_groups(router, logits_TE, cfg, groups_per_device, **kwargs)
 
   in_specs = (tok, P()) if with_bias else (tok,)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                               out_specs=Routing(tok, tok, tok)))
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=Routing(tok, tok, tok))
+  )
 
 
 # --------------------------------------------------------------------------- layer
@@ -138,6 +147,7 @@ def shared_experts(shared, x_TD):
   The leaves have the shared-expert axis first (written `e` in the einsums): every token
   goes through every shared expert, and the down projection sums over them.
   """
+
   def matmul(x, w):  # [T, D] @ [e, D, F] -> [T, e, F], then [T, e, F] @ [e, F, D] -> [T, D]
     spec = "td,edf->tef" if x.ndim == 2 else "tef,efd->td"
     return jnp.einsum(spec, x, w.astype(x_TD.dtype), preferred_element_type=jnp.float32)
@@ -195,16 +205,19 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
   check_config(fn, cfg)
   x_BSD = _checks.float_array(fn, "x_BSD", x_BSD)
   if x_BSD.ndim != 3 or x_BSD.shape[-1] != cfg.d_model:
-    raise ValueError(f"{fn}: x_BSD must have shape [B, S, d_model={cfg.d_model}] "
-                     f"(got shape {tuple(x_BSD.shape)})")
+    raise ValueError(
+      f"{fn}: x_BSD must have shape [B, S, d_model={cfg.d_model}] (got shape {tuple(x_BSD.shape)})"
+    )
   _check_params(fn, params, cfg)
   mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
   impl = choose_impl(cfg, mesh)
   dispatch = get_dispatch(impl)
   if mesh is None and dispatch.needs_mesh:
-    raise ValueError(f"{fn}: impl {impl!r} needs a mesh with the expert axis "
-                     f"{cfg.expert_axis!r} (got mesh=None, and no mesh in scope with that "
-                     f"axis): pass mesh= or call under `with jax.set_mesh(mesh):`")
+    raise ValueError(
+      f"{fn}: impl {impl!r} needs a mesh with the expert axis "
+      f"{cfg.expert_axis!r} (got mesh=None, and no mesh in scope with that "
+      f"axis): pass mesh= or call under `with jax.set_mesh(mesh):`"
+    )
   E = cfg.num_experts
   compute_dtype = cfg.compute_dtype or x_BSD.dtype
   router = get_router(cfg.router)
@@ -217,8 +230,9 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
   T = x_TD.shape[0]
   num_routing_groups(cfg, T, mesh)  # raises on groups that do not divide T
   with jax.named_scope("route"):
-    logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
-                           params.router_DE.astype(jnp.float32))
+    logits_TE = jnp.einsum(
+      "td,de->te", x_TD.astype(jnp.float32), params.router_DE.astype(jnp.float32)
+    )
     logits_TE = checkpoint_name(logits_TE, MOE_ROUTER_LOGITS)
     bias_E = params.router_bias
     if bias_E is not None:  # selection only: it is moved by update_router_bias, not grad
@@ -233,28 +247,31 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
       dropped_TK = jnp.zeros_like(experts_TK, dtype=bool)
     else:
       experts_TK, dropped_TK = auto(
-          functools.partial(drop_over_capacity, num_experts=E, capacity=capacity),
-          experts_TK, lambda spec: (spec, spec))(experts_TK)
-    load_E = auto(functools.partial(expert_load, num_experts=E), experts_TK,
-                   lambda _: P())(experts_TK)
+        functools.partial(drop_over_capacity, num_experts=E, capacity=capacity),
+        experts_TK,
+        lambda spec: (spec, spec),
+      )(experts_TK)
+    load_E = auto(functools.partial(expert_load, num_experts=E), experts_TK, lambda _: P())(
+      experts_TK
+    )
   with jax.named_scope("dispatch"):
     ffn = jax.tree.map(lambda a: a.astype(compute_dtype), params.experts)
-    y_TD, stats = dispatch.fn(x_TD.astype(compute_dtype), ffn, experts_TK,
-                              routing.weights_TK, mesh=mesh, cfg=cfg)
+    y_TD, stats = dispatch.fn(
+      x_TD.astype(compute_dtype), ffn, experts_TK, routing.weights_TK, mesh=mesh, cfg=cfg
+    )
     y_TD = checkpoint_name(like(y_TD.astype(jnp.float32), x_TD), MOE_DISPATCH_OUT)
   if params.shared is not None:
     with jax.named_scope("shared_experts"):
       y_TD = y_TD + shared_experts(params.shared, x_TD.astype(compute_dtype))
   y_BSD = unflatten_tokens(y_TD.astype(x_BSD.dtype), x_BSD, mesh)
   aux = dict(
-      aux_loss=cfg.load_balance_coef * lb_loss + cfg.z_loss_coef * z_loss,
-      load_balance_loss=lb_loss,
-      z_loss=z_loss,
-      expert_load=load_E,
-      rounds=jnp.asarray(stats.get("rounds", 1), jnp.int32),
-      # Items the dispatch itself dropped (a capacity-limited dispatch) count too.
-      dropped_items=jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0),
-      dropped_tokens=jnp.sum(jnp.all((experts_TK < 0) | (experts_TK >= E), axis=1),
-                             dtype=jnp.int32),
+    aux_loss=cfg.load_balance_coef * lb_loss + cfg.z_loss_coef * z_loss,
+    load_balance_loss=lb_loss,
+    z_loss=z_loss,
+    expert_load=load_E,
+    rounds=jnp.asarray(stats.get("rounds", 1), jnp.int32),
+    # Items the dispatch itself dropped (a capacity-limited dispatch) count too.
+    dropped_items=jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0),
+    dropped_tokens=jnp.sum(jnp.all((experts_TK < 0) | (experts_TK >= E), axis=1), dtype=jnp.int32),
   )
   return like(y_BSD, x_BSD), aux

@@ -39,23 +39,30 @@ def check_moe_inputs(fn, x_TD, w, experts, weights):
   T, D = x_TD.shape
   ffn, E = as_ffn(fn, w)
   if ffn.d_in != D:
-    raise ValueError(f"{fn}: w's input dimension ({ffn.d_in}) must equal x's last "
-                     f"dimension D ({D})")
+    raise ValueError(
+      f"{fn}: w's input dimension ({ffn.d_in}) must equal x's last dimension D ({D})"
+    )
   experts = _checks.int_array(fn, "experts", experts)
   if experts.ndim not in (1, 2) or experts.shape[0] != T:
-    raise ValueError(f"{fn}: experts must be int[T] or int[T, K] with T = {T} tokens "
-                     f"(got shape {tuple(experts.shape)})")
+    raise ValueError(
+      f"{fn}: experts must be int[T] or int[T, K] with T = {T} tokens "
+      f"(got shape {tuple(experts.shape)})"
+    )
   experts_TK = experts.reshape(T, -1)
   if experts_TK.shape[1] < 1:
-    raise ValueError(f"{fn}: experts must route each token to at least one expert "
-                     f"(got shape {tuple(experts.shape)})")
+    raise ValueError(
+      f"{fn}: experts must route each token to at least one expert "
+      f"(got shape {tuple(experts.shape)})"
+    )
   if weights is None:
     weights_TK = jnp.ones(experts_TK.shape, jnp.float32)
   else:
     weights = _checks.float_array(fn, "weights", weights)
     if weights.shape != experts.shape:
-      raise ValueError(f"{fn}: weights must have the shape of experts "
-                       f"{tuple(experts.shape)} (got {tuple(weights.shape)})")
+      raise ValueError(
+        f"{fn}: weights must have the shape of experts "
+        f"{tuple(experts.shape)} (got {tuple(weights.shape)})"
+      )
     weights_TK = weights.reshape(experts_TK.shape).astype(jnp.float32)
   return x_TD, ffn, E, experts_TK.astype(jnp.int32), weights_TK
 
@@ -81,7 +88,8 @@ def moe_masked_scan(x_TD, w, experts, weights=None):
     TypeError, ValueError: bad argument shapes or dtypes (at trace time).
   """
   x_TD, ffn, E, experts_TK, weights_TK = check_moe_inputs(
-      "moe_masked_scan", x_TD, w, experts, weights)
+    "moe_masked_scan", x_TD, w, experts, weights
+  )
 
   def step(y_TF, e_and_ffn):
     e, ffn_e = e_and_ffn  # ffn_e: the leaves of expert e, without the expert axis
@@ -89,7 +97,9 @@ def moe_masked_scan(x_TD, w, experts, weights=None):
     coef_T = jnp.sum(jnp.where(routed_TK, weights_TK, 0.0), axis=1)
     out_TF = ffn_e(x_TD, dense_matmul)
     # `where`, not a product: a token not routed to e never picks up e's Inf or NaN.
-    return y_TF + jnp.where(jnp.any(routed_TK, axis=1)[:, None], coef_T[:, None] * out_TF, 0.0), None
+    return y_TF + jnp.where(
+      jnp.any(routed_TK, axis=1)[:, None], coef_T[:, None] * out_TF, 0.0
+    ), None
 
   T = x_TD.shape[0]
   y0_TF = jnp.zeros((T, ffn.d_out), jnp.float32)
@@ -117,7 +127,7 @@ def sort_by_expert(experts_I, num_experts):
 
 def inverse_permutation(order_I):
   """Returns inv with inv[order[i]] = i."""
-  I = order_I.shape[0]  # noqa: E741 - the items letter
+  I = order_I.shape[0]
   return jnp.zeros_like(order_I).at[order_I].set(jnp.arange(I, dtype=order_I.dtype))
 
 
@@ -157,11 +167,14 @@ def items_to_rows(x_TD, items_S, K):
     dimensions, where [T, K, D] would put K in a TPU tile.
   """
   T = x_TD.shape[0]
-  I, S = T * K, items_S.shape[0]  # noqa: E741 - items, rows
+  I, S = T * K, items_S.shape[0]
   live_S = (items_S >= 0) & (items_S < I)
   kt_S = jnp.where(live_S, (items_S % K) * T + items_S // K, I)
-  row_KT = jnp.full_like(items_S, S, shape=(I,)).at[kt_S].set(
-      jnp.arange(S, dtype=items_S.dtype), mode="drop")
+  row_KT = (
+    jnp.full_like(items_S, S, shape=(I,))
+    .at[kt_S]
+    .set(jnp.arange(S, dtype=items_S.dtype), mode="drop")
+  )
   x_KTD = jnp.broadcast_to(x_TD, (K,) + x_TD.shape).reshape(I, -1)
   return move_rows(x_KTD, row_KT, kt_S), (kt_S, row_KT)
 
@@ -226,7 +239,8 @@ def moe_ragged_dot(x_TD, w, experts, weights=None, *, gmm_impl="auto"):
     TypeError, ValueError: bad argument shapes or dtypes (at trace time).
   """
   x_TD, ffn, E, experts_TK, weights_TK = check_moe_inputs(
-      "moe_ragged_dot", x_TD, w, experts, weights)
+    "moe_ragged_dot", x_TD, w, experts, weights
+  )
   return ragged_combine(x_TD, ffn, E, experts_TK, weights_TK, gmm_impl).astype(x_TD.dtype)
 
 
@@ -243,8 +257,9 @@ def ragged_combine(x_TD, ffn, num_experts, experts_TK, weights_TK, gmm_impl="aut
   with jax.named_scope("experts"):
     # Products accumulate in float32; results are stored in the compute dtype (bf16 matmul
     # outputs and their residuals take half the HBM bytes of float32 ones).
-    matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=gmm_impl,
-                               preferred_element_type=x_TD.dtype)
+    matmul = functools.partial(
+      grouped_matmul, group_sizes_G=group_sizes_E, impl=gmm_impl, preferred_element_type=x_TD.dtype
+    )
     y_IF = ffn(x_ID, matmul)  # rows past sum(group_sizes) are zeros
   with jax.named_scope("unpermute"):
     weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)

@@ -66,8 +66,9 @@ class MoE(nnx.Module):
     specs = moe_param_specs(cfg)
     self.router_DE = _param(params.router_DE, specs.router_DE)
     self.experts = nnx.data(jax.tree.map(_param, params.experts, specs.experts))
-    self.shared = nnx.data(None if params.shared is None
-                           else jax.tree.map(_param, params.shared, specs.shared))
+    self.shared = nnx.data(
+      None if params.shared is None else jax.tree.map(_param, params.shared, specs.shared)
+    )
 
   def moe_params(self):
     """The parameters as a `MoEParams` of arrays (what `moe_layer` takes)."""

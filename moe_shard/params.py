@@ -95,10 +95,11 @@ def moe_param_specs(cfg):
     return P(first, *[None] * (len(s.shape) - 1))
 
   return MoEParams(
-      router_DE=spec(shapes.router_DE),
-      experts=jax.tree.map(lambda s: spec(s, cfg.expert_axis), shapes.experts),
-      shared=jax.tree.map(spec, shapes.shared),
-      router_bias=P(None) if cfg.bias_balancing else None)
+    router_DE=spec(shapes.router_DE),
+    experts=jax.tree.map(lambda s: spec(s, cfg.expert_axis), shapes.experts),
+    shared=jax.tree.map(spec, shapes.shared),
+    router_bias=P(None) if cfg.bias_balancing else None,
+  )
 
 
 def init_moe_params(key, cfg, mesh=None):
@@ -130,16 +131,25 @@ def init_moe_params(key, cfg, mesh=None):
   check_config(fn, cfg)
   mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
   if mesh is not None and not is_concrete(mesh) and not tracing():
-    raise ValueError(f"{fn}: mesh must be a concrete jax.sharding.Mesh to create arrays "
-                     f"(got an AbstractMesh outside jax.eval_shape or jax.jit): pass the "
-                     f"Mesh, or call under `with jax.set_mesh(mesh):`")
+    raise ValueError(
+      f"{fn}: mesh must be a concrete jax.sharding.Mesh to create arrays "
+      f"(got an AbstractMesh outside jax.eval_shape or jax.jit): pass the "
+      f"Mesh, or call under `with jax.set_mesh(mesh):`"
+    )
   # Only the fields that shape the parameters, so that configs differing in others (e.g.
   # impl) share one compiled init.
   shape_cfg = type(cfg)(
-      d_model=cfg.d_model, d_ff=cfg.d_ff, num_experts=cfg.num_experts, top_k=1,
-      expert_type=cfg.expert_type, num_shared_experts=cfg.num_shared_experts,
-      shared_d_ff=cfg.shared_d_ff, param_dtype=cfg.param_dtype, expert_axis=cfg.expert_axis,
-      bias_balancing=cfg.bias_balancing)
+    d_model=cfg.d_model,
+    d_ff=cfg.d_ff,
+    num_experts=cfg.num_experts,
+    top_k=1,
+    expert_type=cfg.expert_type,
+    num_shared_experts=cfg.num_shared_experts,
+    shared_d_ff=cfg.shared_d_ff,
+    param_dtype=cfg.param_dtype,
+    expert_axis=cfg.expert_axis,
+    bias_balancing=cfg.bias_balancing,
+  )
   return _initializer(shape_cfg, mesh)(key)
 
 
@@ -152,39 +162,48 @@ def _initializer(cfg, mesh):
   def init(key):
     keys = jax.random.split(key, len(leaves))
     # Every matrix maps its second-to-last axis (the fan-in) to its last.
-    params = jax.tree.unflatten(treedef, [
+    params = jax.tree.unflatten(
+      treedef,
+      [
         (jax.random.normal(k, s.shape, jnp.float32) / math.sqrt(s.shape[-2])).astype(s.dtype)
-        for k, s in zip(keys, leaves)])
+        for k, s in zip(keys, leaves)
+      ],
+    )
     if shapes.router_bias is None:
       return params
-    return dataclasses.replace(params, router_bias=jnp.zeros(shapes.router_bias.shape,
-                                                             jnp.float32))
+    return dataclasses.replace(params, router_bias=jnp.zeros(shapes.router_bias.shape, jnp.float32))
 
   if mesh is None:
     return jax.jit(init)
-  return jax.jit(init, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                                  moe_param_specs(cfg)))
+  return jax.jit(
+    init, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), moe_param_specs(cfg))
+  )
 
 
 def _check_params(fn, params, cfg):
   """Raises unless `params` has the leaves, shapes and kinds `init_moe_params(cfg)` builds."""
   if not isinstance(params, MoEParams):
-    raise TypeError(f"{fn}: params must be a MoEParams from init_moe_params "
-                    f"(got {type(params).__name__})")
-  want = {jax.tree_util.keystr(p): s
-          for p, s in jax.tree_util.tree_leaves_with_path(moe_param_shapes(cfg))}
-  got = {jax.tree_util.keystr(p): a
-         for p, a in jax.tree_util.tree_leaves_with_path(params)}
+    raise TypeError(
+      f"{fn}: params must be a MoEParams from init_moe_params (got {type(params).__name__})"
+    )
+  want = {
+    jax.tree_util.keystr(p): s
+    for p, s in jax.tree_util.tree_leaves_with_path(moe_param_shapes(cfg))
+  }
+  got = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(params)}
   if want.keys() != got.keys():
     missing = [f"params{k}" for k in want if k not in got]
     extra = [f"params{k}" for k in got if k not in want]
-    raise ValueError(f"{fn}: params must have the leaves of this MoEConfig "
-                     f"(expert_type={cfg.expert_type!r}, num_shared_experts="
-                     f"{cfg.num_shared_experts}"
-                     f"{', bias_balancing=True' if cfg.bias_balancing else ''}): "
-                     f"missing {missing}, unexpected {extra}")
+    raise ValueError(
+      f"{fn}: params must have the leaves of this MoEConfig "
+      f"(expert_type={cfg.expert_type!r}, num_shared_experts="
+      f"{cfg.num_shared_experts}"
+      f"{', bias_balancing=True' if cfg.bias_balancing else ''}): "
+      f"missing {missing}, unexpected {extra}"
+    )
   for k, s in want.items():
     a = _checks.float_array(fn, f"params{k}", got[k])
     if tuple(a.shape) != s.shape:
-      raise ValueError(f"{fn}: params{k} must have shape {s.shape} for this MoEConfig "
-                       f"(got {tuple(a.shape)})")
+      raise ValueError(
+        f"{fn}: params{k} must have shape {s.shape} for this MoEConfig (got {tuple(a.shape)})"
+      )

@@ -172,6 +172,7 @@ def round_counts(count_N, chunks, rounds):
 # moves the window [start_r, start_r + C_r) of every device's receive order into its C_r-row
 # buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
 
+
 def default_capacity(tokens, k, capacity=None):
   """Rows of the ragged dispatch's receive buffers per device: round 0's, then the others'.
 

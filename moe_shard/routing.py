@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +39,8 @@ from moe_shard.local import inverse_permutation, sort_by_expert
 
 # Score functions of `top_k_routing`: float32 logits -> float32 scores, per token.
 SCORE_FUNCS = {
-    "softmax": lambda logits_TE: jax.nn.softmax(logits_TE, axis=-1),
-    "sigmoid": jax.nn.sigmoid,
+  "softmax": lambda logits_TE: jax.nn.softmax(logits_TE, axis=-1),
+  "sigmoid": jax.nn.sigmoid,
 }
 
 
@@ -62,8 +62,17 @@ class Routing:
   probs_TE: jax.Array
 
 
-def top_k_routing(logits_TE, k, *, normalize=True, score_func="softmax", num_groups=1,
-                  top_k_groups=None, bias_E=None, scaling=1.0) -> Routing:
+def top_k_routing(
+  logits_TE,
+  k,
+  *,
+  normalize=True,
+  score_func="softmax",
+  num_groups=1,
+  top_k_groups=None,
+  bias_E=None,
+  scaling=1.0,
+) -> Routing:
   """Picks the k highest-scoring experts for each token.
 
       scores_TE = score_func(logits_TE)                       (float32)
@@ -107,11 +116,11 @@ def top_k_routing(logits_TE, k, *, normalize=True, score_func="softmax", num_gro
   _checks.choice_field(fn, "score_func", score_func, tuple(SCORE_FUNCS))
   G = _checks.int_in_range(fn, "num_groups", num_groups, 1, E)
   _checks.divisible(fn, "E", E, "num_groups", G)
-  kept = G if top_k_groups is None else _checks.int_in_range(fn, "top_k_groups",
-                                                             top_k_groups, 1, G)
+  kept = G if top_k_groups is None else _checks.int_in_range(fn, "top_k_groups", top_k_groups, 1, G)
   if k > kept * (E // G):
-    raise ValueError(f"{fn}: k must be <= top_k_groups * E / num_groups = {kept * (E // G)} "
-                     f"(got {k})")
+    raise ValueError(
+      f"{fn}: k must be <= top_k_groups * E / num_groups = {kept * (E // G)} (got {k})"
+    )
   if bias_E is not None:
     bias_E = _checks.float_array(fn, "bias_E", bias_E, ndim=1)
     if bias_E.shape != (E,):
@@ -128,8 +137,9 @@ def top_k_routing(logits_TE, k, *, normalize=True, score_func="softmax", num_gro
   if normalize:
     # tiny: a token whose k sigmoid scores all underflow gets zero weights, not NaN. A
     # softmax's k largest sum to >= k / E, so there this divides by the sum itself.
-    weights_TK = weights_TK / jnp.maximum(jnp.sum(weights_TK, axis=-1, keepdims=True),
-                                          jnp.finfo(jnp.float32).tiny)
+    weights_TK = weights_TK / jnp.maximum(
+      jnp.sum(weights_TK, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny
+    )
   if scaling != 1.0:
     weights_TK = weights_TK * scaling
   return Routing(weights_TK, experts_TK.astype(jnp.int32), scores_TE)
@@ -199,10 +209,16 @@ def capacity(capacity_factor, tokens, k, num_experts):
 def top_k_router(logits_TE, cfg, *, bias_E=None):
   """The "top_k" router: `top_k_routing` with the config's fields (top_k, normalize_top_k,
   score_func, num_groups, top_k_groups, routed_scaling) and the layer's selection bias."""
-  return top_k_routing(logits_TE, cfg.top_k, normalize=cfg.normalize_top_k,
-                       score_func=cfg.score_func, num_groups=cfg.num_groups,
-                       top_k_groups=cfg.top_k_groups, bias_E=bias_E,
-                       scaling=cfg.routed_scaling)
+  return top_k_routing(
+    logits_TE,
+    cfg.top_k,
+    normalize=cfg.normalize_top_k,
+    score_func=cfg.score_func,
+    num_groups=cfg.num_groups,
+    top_k_groups=cfg.top_k_groups,
+    bias_E=bias_E,
+    scaling=cfg.routed_scaling,
+  )
 
 
 def expert_choice_router(logits_TE, cfg):
@@ -257,9 +273,10 @@ class Router:
 
 
 ROUTERS = {
-    "top_k": Router(top_k_router, balance_loss=top_k_balance_loss),
-    "expert_choice": Router(expert_choice_router, balance_loss=no_balance_loss,
-                            applies_capacity=True),
+  "top_k": Router(top_k_router, balance_loss=top_k_balance_loss),
+  "expert_choice": Router(
+    expert_choice_router, balance_loss=no_balance_loss, applies_capacity=True
+  ),
 }
 
 
@@ -284,7 +301,8 @@ def route_in_groups(router, logits_TE, cfg, groups, **kwargs):
     return router(logits_TE, cfg, **kwargs)
   T, E = logits_TE.shape
   routing = jax.vmap(lambda l_TE: router(l_TE, cfg, **kwargs))(
-      logits_TE.reshape(groups, T // groups, E))
+    logits_TE.reshape(groups, T // groups, E)
+  )
   return jax.tree.map(lambda a: a.reshape(T, *a.shape[2:]), routing)
 
 

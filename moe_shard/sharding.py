@@ -67,16 +67,21 @@ def check_mesh(fn, mesh, expert_axis, num_experts=None, *, optional=False, what=
   if mesh is None and optional:
     return
   if not isinstance(mesh, (Mesh, AbstractMesh)):
-    kinds = "a jax.sharding.Mesh, an AbstractMesh or None" if optional else (
-        "a jax.sharding.Mesh or an AbstractMesh")
+    kinds = (
+      "a jax.sharding.Mesh, an AbstractMesh or None"
+      if optional
+      else ("a jax.sharding.Mesh or an AbstractMesh")
+    )
     raise TypeError(f"{fn}: {what} must be {kinds} (got {type(mesh).__name__})")
   missing = [a for a in expert_axes(expert_axis) if a not in mesh.axis_names]
   if missing:
-    raise ValueError(f"{fn}: {what} must have the expert axis {expert_axis!r} "
-                     f"(got axes {tuple(mesh.axis_names)})")
+    raise ValueError(
+      f"{fn}: {what} must have the expert axis {expert_axis!r} (got axes {tuple(mesh.axis_names)})"
+    )
   if num_experts is not None:
-    _checks.divisible(fn, "num_experts", num_experts, f"the {expert_axis!r} axis size",
-                      axis_size(mesh, expert_axis))
+    _checks.divisible(
+      fn, "num_experts", num_experts, f"the {expert_axis!r} axis size", axis_size(mesh, expert_axis)
+    )
 
 
 def resolve_mesh(fn, mesh, expert_axis, num_experts=None, *, required):
@@ -100,16 +105,17 @@ def resolve_mesh(fn, mesh, expert_axis, num_experts=None, *, required):
   """
   if mesh is not None:
     scope = mesh_in_scope()
-    if (isinstance(mesh, AbstractMesh) and isinstance(scope, Mesh)
-        and scope.abstract_mesh == mesh):
+    if isinstance(mesh, AbstractMesh) and isinstance(scope, Mesh) and scope.abstract_mesh == mesh:
       mesh = scope
     check_mesh(fn, mesh, expert_axis, num_experts, optional=True)
     return mesh
   scope = mesh_in_scope()
   if scope is None:
     if required:
-      raise ValueError(f"{fn}: mesh must be given, or a mesh be in scope "
-                       f"(`with jax.set_mesh(mesh):`) (got mesh=None and no mesh in scope)")
+      raise ValueError(
+        f"{fn}: mesh must be given, or a mesh be in scope "
+        f"(`with jax.set_mesh(mesh):`) (got mesh=None and no mesh in scope)"
+      )
     return None
   if not required and any(a not in scope.axis_names for a in expert_axes(expert_axis)):
     return None
@@ -146,8 +152,9 @@ def place(a, mesh, spec):
       # whole array from every process to check that they agree.
       host = np.asarray(a)
       dtype = jax.dtypes.canonicalize_dtype(host.dtype)
-      return jax.make_array_from_callback(host.shape, sharding,
-                                          lambda idx: host[idx].astype(dtype), dtype=dtype)
+      return jax.make_array_from_callback(
+        host.shape, sharding, lambda idx: host[idx].astype(dtype), dtype=dtype
+      )
     return jax.device_put(a, sharding)
   # Traced, or an AbstractMesh (no devices to put on: the array's own are used).
   a = jnp.asarray(a)
@@ -179,8 +186,7 @@ def explicit_mesh(ref):
   mesh = getattr(getattr(jax.typeof(ref), "sharding", None), "mesh", None)
   if mesh is None or not mesh.axis_names:
     return None, ()
-  return mesh, tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
-                     if t == AxisType.Explicit)
+  return mesh, tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
 
 
 def auto(fn, ref, out_specs):
@@ -223,8 +229,10 @@ def match_vma(*arrays):
   """
   vmas = [varying_axes(a) for a in arrays]
   union = frozenset().union(*vmas)
-  return tuple(a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
-               for a, v in zip(arrays, vmas))
+  return tuple(
+    a if v == union else jax.lax.pcast(a, tuple(sorted(union - v)), to="varying")
+    for a, v in zip(arrays, vmas)
+  )
 
 
 def varying_axes(a):
@@ -272,8 +280,9 @@ def unflatten_tokens(y_TD, x_BSD, mesh):
   if mesh is None or AxisType.Explicit not in mesh.axis_types:
     return y_TD.reshape(shape)
   if explicit_mesh(x_BSD)[1]:
-    return jax.lax.reshape(y_TD, shape,
-                           out_sharding=NamedSharding(mesh, jax.typeof(x_BSD).sharding.spec))
+    return jax.lax.reshape(
+      y_TD, shape, out_sharding=NamedSharding(mesh, jax.typeof(x_BSD).sharding.spec)
+    )
   # x was not on the mesh: its batch split over the mesh when it divides, else whole.
   y_TD = place(y_TD, mesh, token_spec(mesh) if B % mesh.size == 0 else P())
   return y_TD.reshape(shape)

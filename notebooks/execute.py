@@ -53,8 +53,13 @@ def execute(path, *, timeout=CELL_TIMEOUT_S):
     nbclient.exceptions.CellTimeoutError: a cell ran past `timeout`.
   """
   nb = nbformat.read(path, as_version=4)
-  client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                          resources={"metadata": {"path": str(NOTEBOOKS)}})
+  client = NotebookClient(
+    nb,
+    timeout=timeout,
+    kernel_name="python3",
+    record_timing=False,
+    resources={"metadata": {"path": str(NOTEBOOKS)}},
+  )
   client.execute(env=kernel_env())
   return nb
 
@@ -76,8 +81,12 @@ def resolve(names):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("names", nargs="*", help="notebooks to run (default: all)")
-  parser.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
-                      help=f"seconds per cell (default {CELL_TIMEOUT_S})")
+  parser.add_argument(
+    "--timeout",
+    type=int,
+    default=CELL_TIMEOUT_S,
+    help=f"seconds per cell (default {CELL_TIMEOUT_S})",
+  )
   args = parser.parse_args(argv)
   for path in resolve(args.names):
     t0 = time.perf_counter()

@@ -34,7 +34,8 @@ class _DtypeTable(dict):
 # is relative to the largest |expected| of the array (see `assert_close`): a matmul's absolute
 # error scales with the magnitude of its terms, and a near-zero sum of large terms (common in
 # gradients) can only be checked to that scale.
-TOL = _DtypeTable({
+TOL = _DtypeTable(
+  {
     # float32: unit roundoff 6e-8; the longest sums here (T <= 40 tokens into a weight
     # gradient, D, F <= 16 in a matmul) give errors of a few 1e-7. 1e-5 leaves ~20x margin
     # for XLA's summation order and the float32 silu, and still catches any wrong term
@@ -46,15 +47,23 @@ TOL = _DtypeTable({
     # compound. The local references measured <= 7e-3 (SwiGLU dx); 3e-2 still catches a
     # dropped or misrouted term, which is O(weight) ~ 0.1 or more.
     jnp.bfloat16: dict(rtol=3e-2, atol=3e-2),
-})
+  }
+)
 
-ROUTINGS = ("uniform", "one_expert", "empty_experts", "k_equals_e", "duplicate", "one_device",
-            "invalid_ids")
+ROUTINGS = (
+  "uniform",
+  "one_expert",
+  "empty_experts",
+  "k_equals_e",
+  "duplicate",
+  "one_device",
+  "invalid_ids",
+)
 
 # Ids outside [0, E) that `invalid_ids` uses: -1 wraps to the last expert under NumPy
 # indexing, E (one past the end) is clamped to E - 1 by XLA's gather, and the int32 extremes
 # overflow careless offset arithmetic. E + 0 and E + 3 are added per case.
-_INVALID = (-1, -2**31, 2**31 - 1)
+_INVALID = (-1, -(2**31), 2**31 - 1)
 _PAST_END = (0, 3)
 
 
@@ -108,7 +117,7 @@ def routing_ids(routing, *, T, E, K, seed, num_devices=8):
   elif routing == "one_expert":
     ids = np.full((T, K), rng.integers(E))
   elif routing == "empty_experts":
-    used = rng.permutation(E)[:max(1, E // 4)]
+    used = rng.permutation(E)[: max(1, E // 4)]
     ids = _distinct(rng, used, T, K)
   else:  # one_device
     ids = _distinct(rng, np.arange(max(1, E // num_devices)), T, K)
@@ -125,8 +134,7 @@ def routing_ids(routing, *, T, E, K, seed, num_devices=8):
   return ids.astype(np.int32)
 
 
-def make_case(routing, *, T, D, F, E, K, seed, dtype=jnp.float32, ffn="linear",
-              num_devices=8):
+def make_case(routing, *, T, D, F, E, K, seed, dtype=jnp.float32, ffn="linear", num_devices=8):
   """Builds the inputs of one MoE call with a named routing.
 
   Values are scaled so that every matmul output is O(1) (normal / sqrt(fan-in)), which keeps
@@ -153,15 +161,20 @@ def make_case(routing, *, T, D, F, E, K, seed, dtype=jnp.float32, ffn="linear",
     w = jnp.asarray(rng.normal(size=(E, D, F)) / np.sqrt(D), dtype)
   elif ffn == "swiglu":
     w = ms.SwiGLU(
-        gate_EDF=jnp.asarray(rng.normal(size=(E, D, F)) / np.sqrt(D), dtype),
-        up_EDF=jnp.asarray(rng.normal(size=(E, D, F)) / np.sqrt(D), dtype),
-        down_EFD=jnp.asarray(rng.normal(size=(E, F, D)) / np.sqrt(F), dtype))
+      gate_EDF=jnp.asarray(rng.normal(size=(E, D, F)) / np.sqrt(D), dtype),
+      up_EDF=jnp.asarray(rng.normal(size=(E, D, F)) / np.sqrt(D), dtype),
+      down_EFD=jnp.asarray(rng.normal(size=(E, F, D)) / np.sqrt(F), dtype),
+    )
   else:
     raise ValueError(f"ffn must be 'linear' or 'swiglu' (got {ffn!r})")
   weights_TK = rng.uniform(0.2, 1.0, size=(T, K))
   weights_TK /= weights_TK.sum(axis=1, keepdims=True)
-  return (jnp.asarray(x_TD, dtype), w, jnp.asarray(experts_TK),
-          jnp.asarray(weights_TK, jnp.float32))
+  return (
+    jnp.asarray(x_TD, dtype),
+    w,
+    jnp.asarray(experts_TK),
+    jnp.asarray(weights_TK, jnp.float32),
+  )
 
 
 def cotangent(shape, dtype, seed):
@@ -210,8 +223,7 @@ def outputs_and_grads(fn, x_TD, w, experts, weights, ct):
     return jnp.sum(y.astype(jnp.float32) * ct), y
 
   if weights is None:
-    (dx, dw), y = jax.grad(lambda x, w: loss(x, w, None), argnums=(0, 1), has_aux=True)(
-        x_TD, w)
+    (dx, dw), y = jax.grad(lambda x, w: loss(x, w, None), argnums=(0, 1), has_aux=True)(x_TD, w)
     return y, (dx, dw, None)
   grads, y = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x_TD, w, weights)
   return y, grads
@@ -223,8 +235,7 @@ def assert_close(got, want, dtype, err_msg=""):
   want = np.asarray(want, np.float64)
   got = np.asarray(got).astype(np.float64)
   scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-  np.testing.assert_allclose(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale,
-                             err_msg=err_msg)
+  np.testing.assert_allclose(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=err_msg)
 
 
 def assert_tree_close(got, want, dtype, err_msg=""):
@@ -252,5 +263,6 @@ def trace(fn, *args, **kwargs):
     a, kw = jax.tree.unflatten(treedef, full)
     return fn(*a, **kw)
 
-  return jax.eval_shape(call, *[jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                for v, a in zip(leaves, is_array) if a])
+  return jax.eval_shape(
+    call, *[jax.ShapeDtypeStruct(v.shape, v.dtype) for v, a in zip(leaves, is_array) if a]
+  )

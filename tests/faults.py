@@ -44,42 +44,82 @@ class Fault:
 # here (the script fails loudly when one is not found exactly once).
 # ------------------------------------------------------------------------------------------
 FAULTS = {
-    "A": Fault(
-        "stop_gradient on the combine weights in the layer (no router gradient through y)",
-        (("moe_shard/layer.py", "routing.weights_TK, mesh=mesh, cfg=cfg)",
-          "jax.lax.stop_gradient(routing.weights_TK), mesh=mesh, cfg=cfg)"),),
-        ("tests/test_layer_oracle.py",)),
-    "B": Fault(
-        "stop_gradient on x inside shared_experts (dx misses the shared experts)",
-        (("moe_shard/layer.py", "  return shared(x_TD, matmul)",
-          "  return shared(jax.lax.stop_gradient(x_TD), matmul)"),),
-        ("tests/test_layer_oracle.py",)),
-    "C": Fault(
-        "capacity drops in slot-major order (all slot-0 items, then slot 1) not token order",
-        (("moe_shard/routing.py", "ids_I = experts_TK.reshape(T * K)  # I = T*K items",
-          "ids_I = experts_TK.T.reshape(T * K)  # I = T*K items"),
-         ("moe_shard/routing.py", "return kept_I.reshape(T, K), dropped_I.reshape(T, K)",
-          "return kept_I.reshape(K, T).T, dropped_I.reshape(K, T).T")),
-        ("tests/test_layer_oracle.py", "-k", "capacity")),
-    "D": Fault(
-        "all_to_all stops one overflow round early",
-        (("moe_shard/parallel/all_to_all.py", "return carry[0] < rounds",
-          "return carry[0] < rounds - 1"),),
-        ("tests/test_layer_oracle.py", "-k", "all_to_all")),
-    "E": Fault(
-        "the tile schedule skips a group's last (partial, masked) tile",
-        (("moe_shard/gmm_tiled.py", "n_G = (rem_G + t - 1) // t", "n_G = rem_G // t"),),
-        ("tests/test_grouped_matmul.py", "-k", "random_group_sizes")),
-    "F": Fault(
-        "the benchmark reports the overflow rounds (one fewer) as all_to_all's rounds",
-        (("bench/accounting.py", "return 1 + -(-max(busiest_queue - first, 0) // overflow)",
-          "return -(-max(busiest_queue - first, 0) // overflow)"),),
-        ("tests/test_bench.py", "-k", "independent_host_model")),
-    "G": Fault(
-        "a bfloat16 layer rounds the router weights to bfloat16",
-        (("moe_shard/layer.py", "params.router_DE.astype(jnp.float32))",
-          "params.router_DE.astype(compute_dtype).astype(jnp.float32))"),),
-        ("tests/test_layer_oracle.py", "-k", "bf16")),
+  "A": Fault(
+    "stop_gradient on the combine weights in the layer (no router gradient through y)",
+    (
+      (
+        "moe_shard/layer.py",
+        "routing.weights_TK, mesh=mesh, cfg=cfg)",
+        "jax.lax.stop_gradient(routing.weights_TK), mesh=mesh, cfg=cfg)",
+      ),
+    ),
+    ("tests/test_layer_oracle.py",),
+  ),
+  "B": Fault(
+    "stop_gradient on x inside shared_experts (dx misses the shared experts)",
+    (
+      (
+        "moe_shard/layer.py",
+        "  return shared(x_TD, matmul)",
+        "  return shared(jax.lax.stop_gradient(x_TD), matmul)",
+      ),
+    ),
+    ("tests/test_layer_oracle.py",),
+  ),
+  "C": Fault(
+    "capacity drops in slot-major order (all slot-0 items, then slot 1) not token order",
+    (
+      (
+        "moe_shard/routing.py",
+        "ids_I = experts_TK.reshape(T * K)  # I = T*K items",
+        "ids_I = experts_TK.T.reshape(T * K)  # I = T*K items",
+      ),
+      (
+        "moe_shard/routing.py",
+        "return kept_I.reshape(T, K), dropped_I.reshape(T, K)",
+        "return kept_I.reshape(K, T).T, dropped_I.reshape(K, T).T",
+      ),
+    ),
+    ("tests/test_layer_oracle.py", "-k", "capacity"),
+  ),
+  "D": Fault(
+    "all_to_all stops one overflow round early",
+    (
+      (
+        "moe_shard/parallel/all_to_all.py",
+        "return carry[0] < rounds",
+        "return carry[0] < rounds - 1",
+      ),
+    ),
+    ("tests/test_layer_oracle.py", "-k", "all_to_all"),
+  ),
+  "E": Fault(
+    "the tile schedule skips a group's last (partial, masked) tile",
+    (("moe_shard/gmm_tiled.py", "n_G = (rem_G + t - 1) // t", "n_G = rem_G // t"),),
+    ("tests/test_grouped_matmul.py", "-k", "random_group_sizes"),
+  ),
+  "F": Fault(
+    "the benchmark reports the overflow rounds (one fewer) as all_to_all's rounds",
+    (
+      (
+        "bench/accounting.py",
+        "return 1 + -(-max(busiest_queue - first, 0) // overflow)",
+        "return -(-max(busiest_queue - first, 0) // overflow)",
+      ),
+    ),
+    ("tests/test_bench.py", "-k", "independent_host_model"),
+  ),
+  "G": Fault(
+    "a bfloat16 layer rounds the router weights to bfloat16",
+    (
+      (
+        "moe_shard/layer.py",
+        "params.router_DE.astype(jnp.float32))",
+        "params.router_DE.astype(compute_dtype).astype(jnp.float32))",
+      ),
+    ),
+    ("tests/test_layer_oracle.py", "-k", "bf16"),
+  ),
 }
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,12 +127,12 @@ COPIED = ("moe_shard", "bench", "tests", "pyproject.toml")
 IGNORE = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "*.pyc")
 
 # Appended to the copied conftest.py: the tests must import the faulted copy.
-GUARD = '''
+GUARD = """
 
 import moe_shard as _faulted  # noqa: E402  (appended by tests/faults.py)
 assert _faulted.__file__.startswith(os.environ["MOE_SHARD_FAULT_ROOT"]), (
     f"faults.py: imported {_faulted.__file__}, not the faulted copy")
-'''
+"""
 
 
 class FaultError(Exception):
@@ -106,8 +146,9 @@ def apply(root, edits):
     text = file.read_text()
     n = text.count(old)
     if n != 1:
-      raise FaultError(f"{path}: expected the snippet exactly once, found it {n} times:\n"
-                       f"    {old!r}")
+      raise FaultError(
+        f"{path}: expected the snippet exactly once, found it {n} times:\n    {old!r}"
+      )
     file.write_text(text.replace(old, new))
 
 
@@ -124,13 +165,21 @@ def copy_repo(root):
 
 def run_pytest(root, tests):
   """Runs pytest on the copy at `root`; returns (exit code, summary lines, seconds)."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-      MOE_SHARD_FAULT_ROOT=str(root))
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join(
+      [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep),
+    MOE_SHARD_FAULT_ROOT=str(root),
+  )
   t0 = time.perf_counter()
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rf", *tests],
-      cwd=root, env=env, capture_output=True, text=True)
+    [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rf", *tests],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
   out = proc.stdout.splitlines()
   # The first assertion's message (which quantity was wrong), then pytest's summary.
   first_error = [line for line in out if line.startswith("E ") and line[1:].strip()][:4]
@@ -173,8 +222,10 @@ def main(argv):
     for path, old, _ in FAULTS[n].edits:
       count = (REPO / path).read_text().count(old)
       if count != 1:
-        raise FaultError(f"fault {n}: {path}: expected the snippet exactly once, found it "
-                         f"{count} times:\n    {old!r}")
+        raise FaultError(
+          f"fault {n}: {path}: expected the snippet exactly once, found it "
+          f"{count} times:\n    {old!r}"
+        )
   verdicts = {}
   for n in names:
     print(f"{n}: {FAULTS[n].what}\n   pytest {' '.join(FAULTS[n].tests)}", flush=True)

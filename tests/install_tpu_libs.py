@@ -34,9 +34,22 @@ def main():
   if stamp.exists() and stamp.read_text() == req:
     print(f"install_tpu_libs: {req} already in {TARGET}")
     return
-  subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
-                  "--disable-pip-version-check", "--no-deps", "--upgrade", "--target",
-                  str(TARGET), req], check=True)
+  subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pip",
+      "install",
+      "--quiet",
+      "--disable-pip-version-check",
+      "--no-deps",
+      "--upgrade",
+      "--target",
+      str(TARGET),
+      req,
+    ],
+    check=True,
+  )
   stamp.write_text(req)
   print(f"install_tpu_libs: {req} installed in {TARGET}")
 

@@ -73,7 +73,7 @@ def routing_margin(x_TD, router_DE, K):
   A perturbation that moves every logit by less than half of it cannot change any top-k.
   """
   logits_TE = f64(x_TD) @ f64(router_DE)
-  if K == logits_TE.shape[1]:
+  if logits_TE.shape[1] == K:
     return np.inf
   s_TE = -np.sort(-logits_TE, axis=1)
   return float(np.min(s_TE[:, K - 1] - s_TE[:, K]))
@@ -102,37 +102,41 @@ def layer(params, x_BSD, cfg):
   B, S, D = np.shape(x_BSD)
   x_TD = f64(x_BSD).reshape(B * S, D)
   T, K, E = B * S, cfg.top_k, cfg.num_experts
-  logits_TE, probs_TE, experts_TK, weights_TK = route(x_TD, f64(params.router_DE), K,
-                                                      cfg.normalize_top_k)
+  logits_TE, probs_TE, experts_TK, weights_TK = route(
+    x_TD, f64(params.router_DE), K, cfg.normalize_top_k
+  )
   dropped_TK = drop_mask(experts_TK, E, capacity(cfg.capacity_factor, T, K, E))
   ex = params.experts
   if hasattr(ex, "gate_EDF"):  # SwiGLU, each item through its own expert's matrices
-    out_TKD = _swiglu(x_TD, ex.gate_EDF[experts_TK], ex.up_EDF[experts_TK],
-                      ex.down_EFD[experts_TK], ("td,tkdf->tkf", "tkf,tkfd->tkd"))
+    out_TKD = _swiglu(
+      x_TD,
+      ex.gate_EDF[experts_TK],
+      ex.up_EDF[experts_TK],
+      ex.down_EFD[experts_TK],
+      ("td,tkdf->tkf", "tkf,tkfd->tkd"),
+    )
   else:  # Linear
     out_TKD = np.einsum("td,tkdf->tkf", x_TD, ex.w_EDF[experts_TK])
   coef_TK = np.where(dropped_TK, 0.0, weights_TK)
   y_TD = np.einsum("tk,tkd->td", coef_TK, out_TKD)
   if params.shared is not None:
     sh = params.shared
-    y_TD = y_TD + _swiglu(x_TD, sh.gate_EDF, sh.up_EDF, sh.down_EFD,
-                          ("td,hdf->thf", "thf,hfd->td"))
+    y_TD = y_TD + _swiglu(x_TD, sh.gate_EDF, sh.up_EDF, sh.down_EFD, ("td,hdf->thf", "thf,hfd->td"))
   f_E = np.bincount(experts_TK.reshape(-1), minlength=E) / (T * K)
   lb = E * np.sum(f_E * probs_TE.mean(axis=0))
-  lse_T = np.log(np.sum(np.exp(logits_TE - logits_TE.max(1, keepdims=True)), 1)) + \
-      logits_TE.max(1)
-  z = np.mean(lse_T ** 2)
+  lse_T = np.log(np.sum(np.exp(logits_TE - logits_TE.max(1, keepdims=True)), 1)) + logits_TE.max(1)
+  z = np.mean(lse_T**2)
   aux = dict(
-      aux_loss=cfg.load_balance_coef * lb + cfg.z_loss_coef * z,
-      load_balance_loss=lb,
-      z_loss=z,
-      expert_load=np.bincount(experts_TK[~dropped_TK], minlength=E),
-      dropped_items=int(dropped_TK.sum()),
-      dropped_tokens=int(np.all(dropped_TK, axis=1).sum()),
-      # Not outputs of the layer: what a test needs to know about the case.
-      experts_TK=np.where(dropped_TK, -1, experts_TK),
-      margin=routing_margin(x_TD, params.router_DE, K),
-      probs_TE=probs_TE,
+    aux_loss=cfg.load_balance_coef * lb + cfg.z_loss_coef * z,
+    load_balance_loss=lb,
+    z_loss=z,
+    expert_load=np.bincount(experts_TK[~dropped_TK], minlength=E),
+    dropped_items=int(dropped_TK.sum()),
+    dropped_tokens=int(np.all(dropped_TK, axis=1).sum()),
+    # Not outputs of the layer: what a test needs to know about the case.
+    experts_TK=np.where(dropped_TK, -1, experts_TK),
+    margin=routing_margin(x_TD, params.router_DE, K),
+    probs_TE=probs_TE,
   )
   return y_TD.reshape(B, S, D), aux
 

@@ -21,50 +21,65 @@ if __name__ == "__main__":  # before JAX is imported: 4 CPU devices per process
   os.environ["JAX_PLATFORMS"] = "cpu"
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
+import argparse
+import dataclasses
+import functools
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from cases import FAST_COMPILE
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import moe_shard as ms  # noqa: E402
-from cases import FAST_COMPILE  # noqa: E402
-from moe_shard import sharding  # noqa: E402
+import moe_shard as ms
+from moe_shard import sharding
 
 # gmm_impl="ragged_dot": the tiled kernel's loops stay within a device and would dominate the
 # compile time; what crosses processes is the dispatch, its return and the gradient sums.
-CFG = ms.MoEConfig(d_model=16, d_ff=32, num_experts=8, top_k=2, impl="all_to_all",
-                   gmm_impl="ragged_dot", num_shared_experts=1)
+CFG = ms.MoEConfig(
+  d_model=16,
+  d_ff=32,
+  num_experts=8,
+  top_k=2,
+  impl="all_to_all",
+  gmm_impl="ragged_dot",
+  num_shared_experts=1,
+)
 B, S = 8, 8  # T = 64 tokens
 # The configurations every worker runs, in one process each: name -> (config, mesh shape
 # (expert, data), axis type). The expert axis crosses the processes in each. In capacity
 # mode the drops follow the global token order, so process 1's tokens (the later ones)
 # lose their items to process 0's: C = ceil(0.5 * 64 * 2 / 8) = 8 items per expert.
 CONFIGS = {
-    "all_to_all-auto-4x2": (CFG, (4, 2), AxisType.Auto),
-    "all_gather-explicit-4x2": (dataclasses.replace(CFG, impl="all_gather"), (4, 2),
-                                AxisType.Explicit),
-    "all_to_all-capacity-explicit-2x4": (dataclasses.replace(CFG, capacity_factor=0.5),
-                                         (2, 4), AxisType.Explicit),
+  "all_to_all-auto-4x2": (CFG, (4, 2), AxisType.Auto),
+  "all_gather-explicit-4x2": (
+    dataclasses.replace(CFG, impl="all_gather"),
+    (4, 2),
+    AxisType.Explicit,
+  ),
+  "all_to_all-capacity-explicit-2x4": (
+    dataclasses.replace(CFG, capacity_factor=0.5),
+    (2, 4),
+    AxisType.Explicit,
+  ),
 }
 
 
 def make_mesh(shape, axis_type=AxisType.Auto):
   """An ("expert", "data") mesh over every device of every process."""
-  return jax.make_mesh(shape, ("expert", "data"), axis_types=(axis_type,) * 2,
-                       devices=jax.devices())
+  return jax.make_mesh(
+    shape, ("expert", "data"), axis_types=(axis_type,) * 2, devices=jax.devices()
+  )
 
 
 def case(seed=0):
   """The global inputs as NumPy arrays: (params: MoEParams, x_BSD, ct_BSD)."""
   rng = np.random.default_rng(seed)
   params = jax.tree.map(
-      lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[-2])).astype(s.dtype),
-      ms.moe_param_shapes(CFG))
+    lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[-2])).astype(s.dtype),
+    ms.moe_param_shapes(CFG),
+  )
   x_BSD = rng.normal(size=(B, S, CFG.d_model)).astype(np.float32)
   ct_BSD = rng.normal(size=(B, S, CFG.d_model)).astype(np.float32)
   return params, x_BSD, ct_BSD
@@ -83,8 +98,7 @@ def step(params, x_BSD, ct_BSD, *, cfg, mesh):
     y_BSD, aux = ms.moe_layer(params, x_BSD, cfg, mesh=mesh)
     return jnp.sum(y_BSD * ct_BSD) + aux["aux_loss"], (y_BSD, aux)
 
-  (dparams, dx_BSD), (y_BSD, aux) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
-      params, x_BSD)
+  (dparams, dx_BSD), (y_BSD, aux) = jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x_BSD)
   return dict(y=y_BSD, aux=aux, dparams=dparams, dx=dx_BSD)
 
 
@@ -101,19 +115,26 @@ def run(name, seed=0):
   params = jax.tree.map(lambda a, s: shard(a, mesh, s), params, ms.moe_param_specs(cfg))
   out = step(params, shard(x_BSD, mesh, tok), shard(ct_BSD, mesh, tok), cfg=cfg, mesh=mesh)
   out["place"] = sharding.place(x_BSD, mesh, tok)
-  return {f"{name}/{jax.tree_util.keystr(p, simple=True, separator='/')}": a
-          for p, a in jax.tree_util.tree_leaves_with_path(out)}
+  return {
+    f"{name}/{jax.tree_util.keystr(p, simple=True, separator='/')}": a
+    for p, a in jax.tree_util.tree_leaves_with_path(out)
+  }
 
 
 def main():
   from jax.experimental import multihost_utils
 
   from bench import distributed
+
   parser = argparse.ArgumentParser()
   distributed.add_arguments(parser)
   parser.add_argument("--out", required=True, help=".npz that process 0 writes")
-  parser.add_argument("--heartbeat", type=int, default=distributed.HEARTBEAT_S,
-                      help="seconds without heartbeats before a process counts as dead")
+  parser.add_argument(
+    "--heartbeat",
+    type=int,
+    default=distributed.HEARTBEAT_S,
+    help="seconds without heartbeats before a process counts as dead",
+  )
   parser.add_argument("--die", choices=("never", "after_init", "during"), default="never")
   parser.add_argument("--dying", type=int, default=1, help="the process that dies")
   args = parser.parse_args()
@@ -124,14 +145,16 @@ def main():
   results = {}
   for name, (_, shape, axis_type) in CONFIGS.items():
     mesh = make_mesh(shape, axis_type)
-    assert len({d.process_index for d in mesh.devices[:, 0]}) == jax.process_count(), \
-        f"the expert axis should cross processes: {mesh.devices}"
+    assert len({d.process_index for d in mesh.devices[:, 0]}) == jax.process_count(), (
+      f"the expert axis should cross processes: {mesh.devices}"
+    )
     out = run(name)
     if dies:  # "during": the step is dispatched, its collectives under way
       os._exit(1)
     # Every process takes part in gathering the global arrays; each gets them whole.
-    results.update({k: np.asarray(multihost_utils.process_allgather(a, tiled=True))
-                    for k, a in out.items()})
+    results.update(
+      {k: np.asarray(multihost_utils.process_allgather(a, tiled=True)) for k, a in out.items()}
+    )
   if distributed.is_leader():
     np.savez(args.out, **results)
   print(f"process {jax.process_index()} of {jax.process_count()}: done", flush=True)

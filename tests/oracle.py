@@ -50,8 +50,9 @@ def _routing(experts, weights):
   experts = np.asarray(experts).astype(np.int64)
   T = experts.shape[0]
   experts_TK = experts.reshape(T, -1)
-  weights_TK = (np.ones(experts_TK.shape) if weights is None
-                else f64(weights).reshape(experts_TK.shape))
+  weights_TK = (
+    np.ones(experts_TK.shape) if weights is None else f64(weights).reshape(experts_TK.shape)
+  )
   return experts_TK, weights_TK
 
 

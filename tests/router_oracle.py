@@ -24,8 +24,17 @@ def scores(logits_TE, score_func):
   return 0.5 * (1.0 + np.tanh(0.5 * z))
 
 
-def top_k(logits_TE, k, *, normalize=True, score_func="softmax", num_groups=1,
-          top_k_groups=None, bias_E=None, scaling=1.0):
+def top_k(
+  logits_TE,
+  k,
+  *,
+  normalize=True,
+  score_func="softmax",
+  num_groups=1,
+  top_k_groups=None,
+  bias_E=None,
+  scaling=1.0,
+):
   """Returns (weights f64[T, k], experts int64[T, k], scores f64[T, E])."""
   s_TE = scores(logits_TE, score_func)
   T, E = s_TE.shape

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cases import FAST_COMPILE
 
 import moe_shard as ms
-from cases import FAST_COMPILE
 
 # --------------------------------------------------------------------------- the bias leaf
 
@@ -31,8 +31,16 @@ def test_router_bias_starts_at_zero_and_leaves_other_params_unchanged():
 
 
 def test_router_bias_gets_no_gradient_but_changes_the_output():
-  cfg = ms.MoEConfig(d_model=4, d_ff=4, num_experts=8, top_k=2, expert_type="linear",
-                     bias_balancing=True, score_func="sigmoid", impl="masked_scan")
+  cfg = ms.MoEConfig(
+    d_model=4,
+    d_ff=4,
+    num_experts=8,
+    top_k=2,
+    expert_type="linear",
+    bias_balancing=True,
+    score_func="sigmoid",
+    impl="masked_scan",
+  )
   params = ms.init_moe_params(jax.random.key(1), cfg)
   x_BSD = jnp.asarray(np.random.default_rng(1).normal(size=(2, 4, 4)), jnp.float32)
 
@@ -40,7 +48,8 @@ def test_router_bias_gets_no_gradient_but_changes_the_output():
   def loss_and_grad(params):
     def loss(params):
       y, aux = ms.moe_layer(params, x_BSD, cfg)
-      return jnp.sum(y ** 2) + aux["aux_loss"], y
+      return jnp.sum(y**2) + aux["aux_loss"], y
+
     return jax.value_and_grad(loss, has_aux=True)(params)
 
   (_, y0), grads = loss_and_grad(params)
@@ -52,8 +61,12 @@ def test_router_bias_gets_no_gradient_but_changes_the_output():
 
 
 def test_update_router_bias_moves_against_the_load():
-  params = ms.MoEParams(router_DE=jnp.zeros((2, 4)), experts=ms.Linear(jnp.zeros((4, 2, 2))),
-                        shared=None, router_bias=jnp.asarray([0.5, 0.0, 0.0, -0.5]))
+  params = ms.MoEParams(
+    router_DE=jnp.zeros((2, 4)),
+    experts=ms.Linear(jnp.zeros((4, 2, 2))),
+    shared=None,
+    router_bias=jnp.asarray([0.5, 0.0, 0.0, -0.5]),
+  )
   aux = dict(expert_load=jnp.asarray([4, 0, 2, 2]))  # mean 2: over, under, even, even
   new = ms.update_router_bias(params, aux, 0.25)
   np.testing.assert_allclose(new.router_bias, [0.25, 0.25, 0.0, -0.5])
@@ -66,55 +79,83 @@ def test_update_router_bias_moves_against_the_load():
 
 
 def test_update_router_bias_errors():
-  params = ms.MoEParams(router_DE=jnp.zeros((2, 4)), experts=ms.Linear(jnp.zeros((4, 2, 2))),
-                        shared=None)
+  params = ms.MoEParams(
+    router_DE=jnp.zeros((2, 4)), experts=ms.Linear(jnp.zeros((4, 2, 2))), shared=None
+  )
   aux = dict(expert_load=jnp.zeros(4, jnp.int32))
-  with pytest.raises(ValueError, match=re.escape(
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
       "update_router_bias: params.router_bias must be an array (got None): build the params "
-      "with MoEConfig(bias_balancing=True)")):
+      "with MoEConfig(bias_balancing=True)"
+    ),
+  ):
     ms.update_router_bias(params, aux, 0.1)
   params = dataclasses.replace(params, router_bias=jnp.zeros(4))
-  with pytest.raises(ValueError, match=re.escape(
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
       "update_router_bias: aux['expert_load'] must have the shape of params.router_bias (4,) "
-      "(got (5,))")):
+      "(got (5,))"
+    ),
+  ):
     ms.update_router_bias(params, dict(expert_load=jnp.zeros(5)), 0.1)
-  with pytest.raises(ValueError, match=re.escape(
-      "update_router_bias: aux must be a dict with 'expert_load'")):
+  with pytest.raises(
+    ValueError, match=re.escape("update_router_bias: aux must be a dict with 'expert_load'")
+  ):
     ms.update_router_bias(params, {}, 0.1)
-  with pytest.raises(ValueError, match=re.escape(
-      "update_router_bias: rate must be finite and >= 0 (got -0.1)")):
+  with pytest.raises(
+    ValueError, match=re.escape("update_router_bias: rate must be finite and >= 0 (got -0.1)")
+  ):
     ms.update_router_bias(params, aux, -0.1)
-  with pytest.raises(TypeError, match=re.escape(
-      "update_router_bias: rate must be a real number or a scalar array (got '0.1')")):
+  with pytest.raises(
+    TypeError,
+    match=re.escape("update_router_bias: rate must be a real number or a scalar array (got '0.1')"),
+  ):
     ms.update_router_bias(params, aux, "0.1")
 
 
 def test_layer_rejects_params_without_the_bias():
-  cfg = ms.MoEConfig(d_model=4, d_ff=4, num_experts=8, top_k=2, expert_type="linear",
-                     bias_balancing=True)
+  cfg = ms.MoEConfig(
+    d_model=4, d_ff=4, num_experts=8, top_k=2, expert_type="linear", bias_balancing=True
+  )
   params = dataclasses.replace(ms.moe_param_shapes(cfg), router_bias=None)
-  with pytest.raises(ValueError, match=re.escape(
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
       "moe_layer: params must have the leaves of this MoEConfig (expert_type='linear', "
       "num_shared_experts=0, bias_balancing=True): missing ['params.router_bias'], "
-      "unexpected []")):
-    jax.eval_shape(lambda p, x: ms.moe_layer(p, x, cfg), params,
-                   jax.ShapeDtypeStruct((1, 4, 4), jnp.float32))
+      "unexpected []"
+    ),
+  ):
+    jax.eval_shape(
+      lambda p, x: ms.moe_layer(p, x, cfg), params, jax.ShapeDtypeStruct((1, 4, 4), jnp.float32)
+    )
 
 
 # --------------------------------------------------------------------------- training
 
 D, E, K, T, STEPS = 8, 8, 2, 256, 48
-CFG = ms.MoEConfig(d_model=D, d_ff=D, num_experts=E, top_k=K, expert_type="linear",
-                   score_func="sigmoid", bias_balancing=True, impl="ragged_dot",
-                   gmm_impl="ragged_dot", load_balance_coef=0.0, z_loss_coef=0.0)
+CFG = ms.MoEConfig(
+  d_model=D,
+  d_ff=D,
+  num_experts=E,
+  top_k=K,
+  expert_type="linear",
+  score_func="sigmoid",
+  bias_balancing=True,
+  impl="ragged_dot",
+  gmm_impl="ragged_dot",
+  load_balance_coef=0.0,
+  z_loss_coef=0.0,
+)
 
 
 def optimizer(params):
   """Adam on every leaf but the router bias (it gets no gradient; update_router_bias moves
   it): the README's optax.multi_transform."""
   labels = dataclasses.replace(jax.tree.map(lambda _: "train", params), router_bias="frozen")
-  return optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()},
-                               labels)
+  return optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
 
 
 def train(rate):
@@ -135,6 +176,7 @@ def train(rate):
     def loss(params):
       y_BSD, aux = ms.moe_layer(params, x_BSD, CFG)
       return jnp.mean((y_BSD - x_BSD @ target_DD) ** 2) + aux["aux_loss"], aux
+
     (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
     updates, state = opt.update(grads, state, params)
     params = optax.apply_updates(params, updates)
@@ -156,9 +198,11 @@ def test_bias_update_evens_out_a_skewed_router():
   # balance point, so the load wobbles; 1.7 on average still means most of the skew is gone.
   with_update, without = train(rate=0.02), train(rate=0.0)
   late = slice(STEPS - 10, STEPS)
-  print(f"max/mean load: step 0 {with_update[0]:.2f}; last 10 steps with the update "
-        f"{with_update[late].mean():.2f} (max {with_update[late].max():.2f}), without "
-        f"{without[late].mean():.2f} (min {without[late].min():.2f})")
+  print(
+    f"max/mean load: step 0 {with_update[0]:.2f}; last 10 steps with the update "
+    f"{with_update[late].mean():.2f} (max {with_update[late].max():.2f}), without "
+    f"{without[late].mean():.2f} (min {without[late].min():.2f})"
+  )
   assert with_update[0] == without[0] and with_update[0] > 3  # skewed at init
   assert with_update[late].mean() < 1.7 and with_update[late].max() < 2.2
   assert without[late].min() > 2.8

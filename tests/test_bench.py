@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 
 import moe_shard as ms
-from bench import ROUTINGS, accounting, baselines, cli, common, impls, reference, report
+from bench import ROUTINGS, accounting, baselines, cli, common, impls, measure, reference, report
 from bench import programs as progs
-from bench import measure
 from bench import run as bench_run
 
 SMALL = progs.Size(T=256, D=16, F=32, K=2)
-SMALL_ARGS = ["-T", "256", "-D", "16", "-F", "32", "-E", "8", "--repeats", "1",
-              "--no-progress"]
+SMALL_ARGS = ["-T", "256", "-D", "16", "-F", "32", "-E", "8", "--repeats", "1", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +48,10 @@ def test_synthetic_routing_follows_its_skew(routing):
     assert load.max() < 2 * 512 * 2 / 16
 
 
-@pytest.mark.parametrize("mesh_name, routing", [
-    ("mesh8", "zipf"), ("mesh8", "one_device"), ("mesh42", "uniform"),
-    ("mesh42", "hot_expert")])
+@pytest.mark.parametrize(
+  "mesh_name, routing",
+  [("mesh8", "zipf"), ("mesh8", "one_device"), ("mesh42", "uniform"), ("mesh42", "hot_expert")],
+)
 def test_host_rounds_and_trip_counts_match_the_library(routing, mesh_name, request):
   """The host's rounds equal the library's stats; its trip counts cover every loop and
   give executed dot FLOPs of at least the routed ones."""
@@ -69,8 +68,11 @@ def test_host_rounds_and_trip_counts_match_the_library(routing, mesh_name, reque
     # The only dots are the tiles the host's counts visit, each once (the combine is an
     # elementwise sum over K, `local.rows_to_tokens`); and every routed row is in some
     # tile, so at least the routed FLOPs run (tiles pad up).
-    rows = sum(int(key.rsplit("_", 1)[1]) * n for key, n in t.items()
-               if key.split("/")[-1].startswith("gmm_tile_"))
+    rows = sum(
+      int(key.rsplit("_", 1)[1]) * n
+      for key, n in t.items()
+      if key.split("/")[-1].startswith("gmm_tile_")
+    )
     assert measure.executed_flops(compiled, t)["dot_executed"] == 2 * SMALL.D * SMALL.F * rows
   executed = sum(measure.executed_flops(compiled, t)["dot_executed"] for t in trips)
   assert case.routed_flops <= executed <= 1.5 * case.routed_flops
@@ -89,8 +91,11 @@ def independent_rounds(experts_TK, E, mesh_shape, K, chunk_size=None):
   N, devices = mesh_shape[0], mesh_shape[0] * mesh_shape[1]
   ids = np.asarray(experts_TK).reshape(devices, -1)  # [device, T_dev * K] in token order
   t_dev = ids.shape[1] // K
-  busiest = max(int(np.sum((ids[d] >= 0) & (ids[d] < E) & (ids[d] // (E // N) == n)))
-                for d in range(devices) for n in range(N))
+  busiest = max(
+    int(np.sum((ids[d] >= 0) & (ids[d] < E) & (ids[d] // (E // N) == n)))
+    for d in range(devices)
+    for n in range(N)
+  )
   if chunk_size is None:
     mean = math.ceil(t_dev * K / N)
     c_first = max(8, 8 * math.ceil((mean + math.ceil(4 * math.sqrt(mean))) / 8))
@@ -100,17 +105,24 @@ def independent_rounds(experts_TK, E, mesh_shape, K, chunk_size=None):
   return 1 + math.ceil(max(0, busiest - c_first) / c_overflow)
 
 
-@pytest.mark.parametrize("level, routing, mesh_name, chunk_size", [
-    ("kernel", "uniform", "mesh8", None), ("kernel", "zipf", "mesh8", None),
-    ("kernel", "hot_expert", "mesh42", None), ("kernel", "one_device", "mesh8", 8),
-    ("layer", "hot_expert", "mesh42", None)])
-def test_reported_rounds_match_an_independent_host_model(level, routing, mesh_name,
-                                                         chunk_size, request):
+@pytest.mark.parametrize(
+  "level, routing, mesh_name, chunk_size",
+  [
+    ("kernel", "uniform", "mesh8", None),
+    ("kernel", "zipf", "mesh8", None),
+    ("kernel", "hot_expert", "mesh42", None),
+    ("kernel", "one_device", "mesh8", 8),
+    ("layer", "hot_expert", "mesh42", None),
+  ],
+)
+def test_reported_rounds_match_an_independent_host_model(
+  level, routing, mesh_name, chunk_size, request
+):
   mesh = request.getfixturevalue(mesh_name)
-  case = progs.make_case(level, 8, routing, dataclasses.replace(SMALL, chunk_size=chunk_size),
-                         mesh)
-  want = independent_rounds(case.experts_TK, 8, (mesh.shape["expert"], mesh.shape["data"]),
-                            SMALL.K, chunk_size)
+  case = progs.make_case(level, 8, routing, dataclasses.replace(SMALL, chunk_size=chunk_size), mesh)
+  want = independent_rounds(
+    case.experts_TK, 8, (mesh.shape["expert"], mesh.shape["data"]), SMALL.K, chunk_size
+  )
   assert routing == "uniform" or want > 1  # skew: overflow rounds, so the count is tested
   acc = impls.IMPLS["all_to_all"].accounting(case)
   assert (acc.rounds, acc.dropped) == (want, 0)
@@ -131,8 +143,11 @@ def test_ragged_host_accounting_matches_the_library(routing, mesh_name, request)
   assert "ragged-all-to-all" not in measure.collective_bytes(compiled, acc.trips[0])
   received = np.asarray(stats["received_items"])
   for d, t in enumerate(acc.trips):
-    rows = sum(int(key.rsplit("_", 1)[1]) * n for key, n in t.items()
-               if key.split("/")[-1].startswith("gmm_tile_"))
+    rows = sum(
+      int(key.rsplit("_", 1)[1]) * n
+      for key, n in t.items()
+      if key.split("/")[-1].startswith("gmm_tile_")
+    )
     assert received[d] <= rows <= received[d] + acc.rounds * 8 * 32  # tiles pad a little
     # The tiles are the only dots (the combine is an elementwise sum over K).
     assert measure.executed_flops(compiled, t)["dot_executed"] == 2 * SMALL.D * SMALL.F * rows
@@ -156,8 +171,9 @@ def test_layer_level_reports_the_rounds_the_host_counts(mesh42):
 def test_gshard_baseline_matches_the_reference_without_drops(mesh8):
   case = progs.make_case("kernel", 8, "uniform", SMALL, mesh8)
   x, w, e, g, _ = case.args
-  y, dropped = jax.jit(lambda *a: baselines.gshard_moe(
-      *a, mesh=mesh8, capacity_factor=8.0))(x, ms.Linear(w_EDF=w), e, g)
+  y, dropped = jax.jit(lambda *a: baselines.gshard_moe(*a, mesh=mesh8, capacity_factor=8.0))(
+    x, ms.Linear(w_EDF=w), e, g
+  )
   ref = ms.moe_ragged_dot(*(jax.device_get(a) for a in (x, w, e, g)))
   assert int(dropped) == 0
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
@@ -183,8 +199,9 @@ def test_gshard_drops_slot_major_past_capacity(mesh_name, routing, request):
   size = dataclasses.replace(SMALL, capacity_factor=1.0)
   case = progs.make_case("kernel", 8, routing, size, mesh)
   x, w, e, g, _ = case.args
-  y, dropped = jax.jit(lambda *a: baselines.gshard_moe(
-      *a, mesh=mesh, capacity_factor=1.0))(x, ms.Linear(w_EDF=w), e, g)
+  y, dropped = jax.jit(lambda *a: baselines.gshard_moe(*a, mesh=mesh, capacity_factor=1.0))(
+    x, ms.Linear(w_EDF=w), e, g
+  )
   acc = impls.IMPLS["jit_gshard_einsum"].accounting(case)
   assert (acc.rounds, acc.dropped) == (1, int(dropped))
   assert routing == "uniform" or int(dropped) > 0
@@ -193,8 +210,9 @@ def test_gshard_drops_slot_major_past_capacity(mesh_name, routing, request):
   assert int(np.sum(kept < 0)) == int(dropped)
   np.testing.assert_array_equal(acc.kept, kept >= 0)
   x, w, g = (jax.device_get(a) for a in (x, w, g))
-  np.testing.assert_allclose(np.asarray(y), np.asarray(ms.moe_ragged_dot(x, w, kept, g)),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(y), np.asarray(ms.moe_ragged_dot(x, w, kept, g)), rtol=1e-5, atol=1e-5
+  )
 
 
 def test_routing_bound_follows_the_skew(mesh8):
@@ -221,8 +239,12 @@ def test_a_program_that_does_not_compile_is_a_row_not_a_crash(monkeypatch, capsy
     return real(case, impl)
 
   monkeypatch.setattr(progs, "programs_and_args", programs_and_args)
-  assert cli.main([*SMALL_ARGS, "--levels", "kernel", "--impls", "all_gather,jit_masked_scan",
-                   "--modes", "fwd"]) == 0
+  assert (
+    cli.main(
+      [*SMALL_ARGS, "--levels", "kernel", "--impls", "all_gather,jit_masked_scan", "--modes", "fwd"]
+    )
+    == 0
+  )
   out = capsys.readouterr().out
   assert "| all_gather | did not compile: RuntimeError: RESOURCE_EXHAUSTED" in out
   assert "| jit_masked_scan | " in out
@@ -231,9 +253,23 @@ def test_a_program_that_does_not_compile_is_a_row_not_a_crash(monkeypatch, capsy
 def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
   stem = str(tmp_path / "r")
   png = str(tmp_path / "r.png")
-  code = cli.main([*SMALL_ARGS, "--levels", "kernel", "--routing", "zipf",
-                   "--impls", "all_to_all,jit_gshard_einsum",
-                   "--capacity-factor", "4", "--out", stem, "--plot", png])
+  code = cli.main(
+    [
+      *SMALL_ARGS,
+      "--levels",
+      "kernel",
+      "--routing",
+      "zipf",
+      "--impls",
+      "all_to_all,jit_gshard_einsum",
+      "--capacity-factor",
+      "4",
+      "--out",
+      stem,
+      "--plot",
+      png,
+    ]
+  )
   assert code == 0
   out = capsys.readouterr().out
   assert "all_to_all" in out and "fastest jit-only" in out
@@ -258,7 +294,9 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["-E", "6"], "experts (6) must be divisible by the expert axis of the mesh (8)"),
     (["--impls", "all_to_all,fast"], "unknown impl fast"),
     (["--mesh", "16x1"], "mesh 16x1 needs 16 devices, found 8"),
@@ -268,7 +306,8 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
     (["-K", "9"], "top-k (9) must be <= experts (8)"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--devices", "16"], "--devices 16: JAX is already initialised with 8 CPU devices"),
-])
+  ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
   assert cli.main([*SMALL_ARGS, *argv]) == 2
   err = capsys.readouterr().err.strip()
@@ -279,9 +318,27 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
 def test_tpu_compile_for_v5e(capsys):
   """Compiles for a TPU v5e 2x4 slice here (libtpu) and reports estimates."""
   pytest.importorskip("libtpu")
-  code = cli.main(["--tpu", "v5e:2x4", "-T", "512", "-D", "128", "-F", "256", "-E", "8",
-                   "--levels", "kernel", "--impls", "all_to_all,jit_ragged_dot",
-                   "--modes", "fwd", "--no-progress"])
+  code = cli.main(
+    [
+      "--tpu",
+      "v5e:2x4",
+      "-T",
+      "512",
+      "-D",
+      "128",
+      "-F",
+      "256",
+      "-E",
+      "8",
+      "--levels",
+      "kernel",
+      "--impls",
+      "all_to_all,jit_ragged_dot",
+      "--modes",
+      "fwd",
+      "--no-progress",
+    ]
+  )
   assert code == 0
   out = capsys.readouterr().out
   assert "roofline" in out and "all_to_all" in out
@@ -290,12 +347,14 @@ def test_tpu_compile_for_v5e(capsys):
 def test_tpu_estimates_use_cited_peaks():
   pytest.importorskip("libtpu")
   from bench import tpu
+
   devs = tpu.devices("v5e:2x4")
   assert len(devs) == 8 and "TPU" in devs[0].device_kind
   mesh = bench_run.make_mesh(None, devs)
   # E=16 on 8 chips: 2 experts per chip (one takes lax.ragged_dot, exact for one group).
-  case = progs.make_case("kernel", 16, "uniform", dataclasses.replace(SMALL, dtype="bfloat16"),
-                         mesh, abstract=True)
+  case = progs.make_case(
+    "kernel", 16, "uniform", dataclasses.replace(SMALL, dtype="bfloat16"), mesh, abstract=True
+  )
   compiled = progs.programs(case, "all_to_all")["fwd"].lower(*case.args).compile()
   trips = impls.IMPLS["all_to_all"].accounting(case, on_tpu=True).trips
   assert set(trips[0]) == {"a2a_overflow_rounds"}
@@ -312,6 +371,7 @@ def test_tpu_estimates_use_cited_peaks():
   # Uniform routing: one round, so the overflow loop's body (counted once by XLA) never runs
   # and its bytes come off; run twice, they count twice.
   from bench import hbm
+
   assert trips[0]["a2a_overflow_rounds"] == 0
   never = tpu.estimates(compiled, flops, 1e6, "v5e:2x4", hbm.executed_bytes(compiled, trips[0]))
   twice = hbm.executed_bytes(compiled, {"a2a_overflow_rounds": 2})["executed"]
@@ -333,11 +393,25 @@ def test_a_loop_without_trip_count_is_counted_once_and_flagged():
 
   assert bench_run._counted(measured, None, {}) == {"executed": 10.0, "loop_counted_once": True}
   assert bench_run._counted(lambda c, t: {"executed": 3.0}, None, {}) == {"executed": 3.0}
-  row = dict(level="kernel", impl="jit_gshard_einsum", T=256, E=8, routing="uniform", mode="fwd",
-             flops_ratio=1.5, wire_bytes=2**20, bytes_over_bound=1.0,
-             bytes_over_routing_bound=1.0, temp_bytes=0, rounds=None, dropped=0,
-             time_s={"median": 0.1, "min": 0.1, "max": 0.1}, gflops=1.0, compile_s=1.0,
-             loop_counted_once=True)
+  row = dict(
+    level="kernel",
+    impl="jit_gshard_einsum",
+    T=256,
+    E=8,
+    routing="uniform",
+    mode="fwd",
+    flops_ratio=1.5,
+    wire_bytes=2**20,
+    bytes_over_bound=1.0,
+    bytes_over_routing_bound=1.0,
+    temp_bytes=0,
+    rounds=None,
+    dropped=0,
+    time_s={"median": 0.1, "min": 0.1, "max": 0.1},
+    gflops=1.0,
+    compile_s=1.0,
+    loop_counted_once=True,
+  )
   text = report.table([row])
   assert "| 1.50* | 1.00* |" in text and "counted once" in text
 
@@ -349,17 +423,23 @@ def dense_one_hot(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
   """A dispatch written outside the package: every expert on every token, one-hot combine
   (the table's signature; E/K times the routed FLOPs, no sort, no collectives of its own)."""
   E = jax.tree.leaves(ffn)[0].shape[0]
-  coef_TE = jnp.einsum("tk,tke->te", weights_TK,
-                       jax.nn.one_hot(experts_TK, E, dtype=jnp.float32))
+  coef_TE = jnp.einsum("tk,tke->te", weights_TK, jax.nn.one_hot(experts_TK, E, dtype=jnp.float32))
   # x: [T, D] into every expert, then each expert's own hidden [T, E, F] out of it.
-  out_TEF = ffn(x_TD, lambda x, w: jnp.einsum("ti,eio->teo" if x.ndim == 2 else
-                                              "tei,eio->teo", x, w.astype(x.dtype),
-                                              preferred_element_type=jnp.float32))
+  out_TEF = ffn(
+    x_TD,
+    lambda x, w: jnp.einsum(
+      "ti,eio->teo" if x.ndim == 2 else "tei,eio->teo",
+      x,
+      w.astype(x.dtype),
+      preferred_element_type=jnp.float32,
+    ),
+  )
   return jnp.einsum("te,tef->tf", coef_TE, out_TEF).astype(x_TD.dtype), {}
 
 
 def test_a_dispatch_defined_outside_the_package_runs_in_the_layer_and_the_benchmark(
-    tmp_path, capsys, monkeypatch):
+  tmp_path, capsys, monkeypatch
+):
   """Adding a dispatch touches nothing in moe_shard/: the layer takes the function as
   `impl`, the benchmark as a registered entry; both check it against the NumPy reference."""
   mesh = bench_run.make_mesh("4x2", jax.devices())
@@ -373,8 +453,22 @@ def test_a_dispatch_defined_outside_the_package_runs_in_the_layer_and_the_benchm
 
   monkeypatch.setitem(impls.IMPLS, "dense_one_hot", impls.Impl(dense_one_hot))
   stem = str(tmp_path / "r")
-  assert cli.main([*SMALL_ARGS, "--impls", "dense_one_hot,all_to_all", "--routing", "zipf",
-                   "--modes", "fwd", "--out", stem]) == 0
+  assert (
+    cli.main(
+      [
+        *SMALL_ARGS,
+        "--impls",
+        "dense_one_hot,all_to_all",
+        "--routing",
+        "zipf",
+        "--modes",
+        "fwd",
+        "--out",
+        stem,
+      ]
+    )
+    == 0
+  )
   rows = {r["impl"]: r for r in json.load(open(stem + ".json"))["rows"]}
   assert set(rows) == {"dense_one_hot", "all_to_all"}
   assert rows["dense_one_hot"]["max_abs_err"] < 1e-3
@@ -385,8 +479,9 @@ def test_a_dispatch_defined_outside_the_package_runs_in_the_layer_and_the_benchm
 def test_deepseek_like_layer_matches_the_reference_and_the_host_routing(mesh8):
   """Sigmoid scores, 4 expert groups of which each token keeps 2, scaling 2.5: the host's
   NumPy routing (for the accounting) and reference (for the error) follow the layer."""
-  size = dataclasses.replace(SMALL, K=4, score_func="sigmoid", num_groups=4, top_k_groups=2,
-                             routed_scaling=2.5)
+  size = dataclasses.replace(
+    SMALL, K=4, score_func="sigmoid", num_groups=4, top_k_groups=2, routed_scaling=2.5
+  )
   case = progs.make_case("layer", 16, "zipf", size, mesh8)
   groups_TK = case.experts_TK // 4  # expert e is in group e // (E / G)
   assert all(len(set(g)) <= 2 for g in groups_TK)  # at most 2 groups per token
@@ -405,8 +500,9 @@ def test_a_program_too_big_for_the_host_is_a_row_not_a_kill():
   assert bench_run._host_memory_short(compiled) is None
   why = bench_run._host_memory_short(compiled, fraction=0.0)
   assert why.startswith("not run: needs") and "simulated devices" in why
-  row = dict(level="layer", impl="all_gather", T=32768, E=64, routing="uniform",
-             mode="fwd_bwd", error=why)
+  row = dict(
+    level="layer", impl="all_gather", T=32768, E=64, routing="uniform", mode="fwd_bwd", error=why
+  )
   text = report.table([row])
   assert "| not run: needs" in text and "did not compile" not in text
 
@@ -445,13 +541,16 @@ def _glibc_version():
 def test_reuse_freed_memory_keeps_a_large_block_in_the_heap_until_released():
   out = {}
   for mode in ("system", "reuse"):
-    res = subprocess.run([sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True,
-                         text=True, check=True)
+    res = subprocess.run(
+      [sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True, text=True, check=True
+    )
     setting, mapped, kept, heap = res.stdout.rsplit(" ", 3)
     out[mode] = setting, int(mapped), int(kept), int(heap)
   # glibc's default: a fresh mmap for 64 MiB, returned to the kernel by free.
   assert out["system"][1] >= 64 << 20 and out["system"][2] < 64 << 20
   # Reusing: from the heap and kept after free, until release_freed_memory trims the heap.
-  assert out["reuse"][:2] == ("glibc mallopt: arena_max=1, mmap_threshold=512 MiB, "
-                              "trim_threshold=2 GiB", 0)
+  assert out["reuse"][:2] == (
+    "glibc mallopt: arena_max=1, mmap_threshold=512 MiB, trim_threshold=2 GiB",
+    0,
+  )
   assert out["reuse"][2] >= 64 << 20 and out["reuse"][3] < 64 << 20

@@ -15,10 +15,20 @@ from jax.sharding import PartitionSpec as P
 eqx = pytest.importorskip("equinox")
 optax = pytest.importorskip("optax")
 
+from tiny_model import (  # noqa: E402
+  CFG,
+  LAYERS,
+  LEARNING_RATE,
+  D,
+  batches,
+  count_compiles,
+  functional_loss_jit,
+  make_mesh,
+  rms_norm,
+)
+
 import moe_shard as ms  # noqa: E402
 from moe_shard.equinox import MoE  # noqa: E402
-from tiny_model import (CFG, D, LAYERS, LEARNING_RATE, batches, count_compiles,  # noqa: E402
-                        functional_loss_jit, make_mesh, rms_norm)
 
 
 class Block(eqx.Module):
@@ -36,8 +46,7 @@ class Block(eqx.Module):
 
 def make_blocks(mesh):
   """LAYERS blocks stacked on axis 0 of every array (one `lax.scan` over them)."""
-  return eqx.filter_vmap(lambda key: Block(key, mesh))(jax.random.split(jax.random.key(0),
-                                                                        LAYERS))
+  return eqx.filter_vmap(lambda key: Block(key, mesh))(jax.random.split(jax.random.key(0), LAYERS))
 
 
 def forward(blocks, x_BSD):
@@ -82,8 +91,9 @@ def train(mesh, in_scope):
   with jax.set_mesh(mesh) if in_scope else contextlib.nullcontext():
     losses, want, compiles = [], [], []
     for x_BSD, target_BSD in batches(mesh):
-      want.append(float(functional_loss_jit(blocks.moe.params, blocks.scale_D, x_BSD,
-                                            target_BSD, mesh)))
+      want.append(
+        float(functional_loss_jit(blocks.moe.params, blocks.scale_D, x_BSD, target_BSD, mesh))
+      )
       with count_compiles() as n:
         blocks, opt_state, loss = train_step(blocks, opt_state, x_BSD, target_BSD)
         losses.append(float(loss))  # waits for the step
@@ -101,8 +111,11 @@ def test_arrays_made_outside_set_mesh_sit_on_one_device():
     assert OPT.init(params)[0].count.sharding == NamedSharding(mesh, P())
 
 
-@pytest.fixture(scope="module", params=[("auto", False), ("explicit", True)],
-                ids=["auto-mesh-arg", "explicit-set_mesh"])
+@pytest.fixture(
+  scope="module",
+  params=[("auto", False), ("explicit", True)],
+  ids=["auto-mesh-arg", "explicit-set_mesh"],
+)
 def run(request):
   kind, in_scope = request.param
   mesh = make_mesh(kind)
@@ -112,8 +125,9 @@ def run(request):
 def test_params_are_sharded(run):
   mesh, blocks, *_ = run
   specs = ms.moe_param_specs(CFG)
-  for leaf, spec in zip(jax.tree.leaves(blocks.moe.params),
-                        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+  for leaf, spec in zip(
+    jax.tree.leaves(blocks.moe.params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+  ):
     want = NamedSharding(mesh, P(None, *spec))  # the stacked layer axis first
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.sharding, want)
 
@@ -130,17 +144,18 @@ def test_no_compile_after_the_first_step(run):
   assert compiles[0] >= 1 and compiles[1:] == [0] * (len(compiles) - 1), compiles
 
 
-
 def test_abstract_mesh_no_mesh_and_errors():
   mesh = make_mesh("explicit")
-  abstract = eqx.filter_eval_shape(lambda: MoE(CFG, key=jax.random.key(0),
-                                               mesh=mesh.abstract_mesh))
+  abstract = eqx.filter_eval_shape(lambda: MoE(CFG, key=jax.random.key(0), mesh=mesh.abstract_mesh))
   assert abstract.mesh == mesh.abstract_mesh
   assert isinstance(abstract.params.experts.gate_EDF, jax.ShapeDtypeStruct)
   local = MoE(CFG, key=jax.random.key(0))
   assert local.mesh is None
   x_BSD = jnp.ones((2, 4, D))
   np.testing.assert_array_equal(local(x_BSD)[0], ms.moe_layer(local.params, x_BSD, CFG)[0])
-  with pytest.raises(TypeError, match=r"^moe_shard\.equinox\.MoE: mesh must be a "
-                     r"jax\.sharding\.Mesh, an AbstractMesh or None \(got str\)"):
+  with pytest.raises(
+    TypeError,
+    match=r"^moe_shard\.equinox\.MoE: mesh must be a "
+    r"jax\.sharding\.Mesh, an AbstractMesh or None \(got str\)",
+  ):
     MoE(CFG, key=jax.random.key(0), mesh="mesh")

@@ -9,9 +9,9 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import trace
 
 import moe_shard as ms
-from cases import trace
 
 T, D, F, E, K = 5, 4, 3, 6, 2
 FNS = [ms.moe_masked_scan, ms.moe_ragged_dot]
@@ -26,69 +26,165 @@ def _swiglu(e_gate=E, e_up=E, e_down=E):
 
 
 def _good():
-  return dict(x_TD=_f32(T, D), w=_f32(E, D, F), experts=np.zeros((T, K), np.int32),
-              weights=_f32(T, K))
+  return dict(
+    x_TD=_f32(T, D), w=_f32(E, D, F), experts=np.zeros((T, K), np.int32), weights=_f32(T, K)
+  )
 
 
 # (id, overrides of the good arguments, error type, message after "<fn>: ")
 CASES = [
-    ("x_1d", dict(x_TD=_f32(D)), ValueError, "x must be 2-D (got shape (4,))"),
-    ("x_3d", dict(x_TD=_f32(1, T, D)), ValueError, "x must be 2-D (got shape (1, 5, 4))"),
-    ("x_int", dict(x_TD=np.zeros((T, D), np.int32)), TypeError,
-     "x must have a floating-point dtype (got int32)"),
-    ("w_2d", dict(w=_f32(D, F)), ValueError, "w must be 3-D (got shape (4, 3))"),
-    ("w_4d", dict(w=_f32(E, 1, D, F)), ValueError, "w must be 3-D (got shape (6, 1, 4, 3))"),
-    ("w_int", dict(w=np.zeros((E, D, F), np.int32)), TypeError,
-     "w must have a floating-point dtype (got int32)"),
-    ("w_str", dict(w="w"), TypeError,
-     "w must be an f[E, D, F] array or an expert FFN such as SwiGLU (got str)"),
-    ("w_dict", dict(w={"w_EDF": _f32(E, D, F)}), TypeError,
-     "w must be an f[E, D, F] array or an expert FFN such as SwiGLU (got dict)"),
-    ("w_none", dict(w=None), TypeError,
-     "w must be an f[E, D, F] array or an expert FFN such as SwiGLU (got NoneType)"),
-    ("w_D_mismatch", dict(w=_f32(E, D + 1, F)), ValueError,
-     "w's input dimension (5) must equal x's last dimension D (4)"),
-    ("swiglu_D_mismatch", dict(w=ms.SwiGLU(_f32(E, 7, F), _f32(E, 7, F), _f32(E, F, 7))),
-     ValueError, "w's input dimension (7) must equal x's last dimension D (4)"),
-    ("swiglu_E_disagree", dict(w=_swiglu(e_down=3)), ValueError,
-     "every leaf of w must have the same number of experts on axis 0 "
-     "(got w.gate_EDF: 6, w.up_EDF: 6, w.down_EFD: 3)"),
-    ("swiglu_E_disagree_up", dict(w=_swiglu(e_gate=4, e_up=6, e_down=4)), ValueError,
-     "every leaf of w must have the same number of experts on axis 0 "
-     "(got w.gate_EDF: 4, w.up_EDF: 6, w.down_EFD: 4)"),
-    ("swiglu_int_leaf", dict(w=ms.SwiGLU(_f32(E, D, F), np.zeros((E, D, F), np.int32),
-                                         _f32(E, F, D))), TypeError,
-     "w.up_EDF must have a floating-point dtype (got int32)"),
-    ("swiglu_scalar_leaf", dict(w=ms.SwiGLU(_f32(E, D, F), _f32(E, D, F), _f32())),
-     ValueError, "w.down_EFD must have the expert axis first (got a scalar)"),
-    ("swiglu_down_shape", dict(w=ms.SwiGLU(_f32(E, D, F), _f32(E, D, F), _f32(E, F + 1, D))),
-     ValueError, f"SwiGLU needs gate_EDF and up_EDF of one shape [E, D, F] and "
-                 f"down_EFD of shape [E, F, D] (got gate {(E, D, F)}, up {(E, D, F)}, "
-                 f"down {(E, F + 1, D)})"),
-    ("swiglu_up_shape", dict(w=ms.SwiGLU(_f32(E, D, F), _f32(E, D, F + 1), _f32(E, F, D))),
-     ValueError, "SwiGLU needs gate_EDF and up_EDF of one shape"),
-    ("experts_float", dict(experts=_f32(T, K)), TypeError,
-     "experts must have an integer dtype (got float32)"),
-    ("experts_bool", dict(experts=np.zeros((T, K), bool)), TypeError,
-     "experts must have an integer dtype (got bool)"),
-    ("experts_wrong_T", dict(experts=np.zeros((T + 1, K), np.int32), weights=_f32(T + 1, K)),
-     ValueError, "experts must be int[T] or int[T, K] with T = 5 tokens (got shape (6, 2))"),
-    ("experts_wrong_T_1d", dict(experts=np.zeros((T - 1,), np.int32), weights=None),
-     ValueError, "experts must be int[T] or int[T, K] with T = 5 tokens (got shape (4,))"),
-    ("experts_3d", dict(experts=np.zeros((T, K, 1), np.int32), weights=_f32(T, K, 1)),
-     ValueError, "experts must be int[T] or int[T, K] with T = 5 tokens (got shape (5, 2, 1))"),
-    ("experts_0d", dict(experts=np.int32(0), weights=None), ValueError,
-     "experts must be int[T] or int[T, K] with T = 5 tokens (got shape ())"),
-    ("experts_k0", dict(experts=np.zeros((T, 0), np.int32), weights=_f32(T, 0)), ValueError,
-     "experts must route each token to at least one expert (got shape (5, 0))"),
-    ("weights_wrong_K", dict(weights=_f32(T, K + 1)), ValueError,
-     "weights must have the shape of experts (5, 2) (got (5, 3))"),
-    ("weights_transposed", dict(weights=_f32(K, T)), ValueError,
-     "weights must have the shape of experts (5, 2) (got (2, 5))"),
-    ("weights_2d_for_top1", dict(experts=np.zeros((T,), np.int32), weights=_f32(T, 1)),
-     ValueError, "weights must have the shape of experts (5,) (got (5, 1))"),
-    ("weights_int", dict(weights=np.ones((T, K), np.int32)), TypeError,
-     "weights must have a floating-point dtype (got int32)"),
+  ("x_1d", dict(x_TD=_f32(D)), ValueError, "x must be 2-D (got shape (4,))"),
+  ("x_3d", dict(x_TD=_f32(1, T, D)), ValueError, "x must be 2-D (got shape (1, 5, 4))"),
+  (
+    "x_int",
+    dict(x_TD=np.zeros((T, D), np.int32)),
+    TypeError,
+    "x must have a floating-point dtype (got int32)",
+  ),
+  ("w_2d", dict(w=_f32(D, F)), ValueError, "w must be 3-D (got shape (4, 3))"),
+  ("w_4d", dict(w=_f32(E, 1, D, F)), ValueError, "w must be 3-D (got shape (6, 1, 4, 3))"),
+  (
+    "w_int",
+    dict(w=np.zeros((E, D, F), np.int32)),
+    TypeError,
+    "w must have a floating-point dtype (got int32)",
+  ),
+  (
+    "w_str",
+    dict(w="w"),
+    TypeError,
+    "w must be an f[E, D, F] array or an expert FFN such as SwiGLU (got str)",
+  ),
+  (
+    "w_dict",
+    dict(w={"w_EDF": _f32(E, D, F)}),
+    TypeError,
+    "w must be an f[E, D, F] array or an expert FFN such as SwiGLU (got dict)",
+  ),
+  (
+    "w_none",
+    dict(w=None),
+    TypeError,
+    "w must be an f[E, D, F] array or an expert FFN such as SwiGLU (got NoneType)",
+  ),
+  (
+    "w_D_mismatch",
+    dict(w=_f32(E, D + 1, F)),
+    ValueError,
+    "w's input dimension (5) must equal x's last dimension D (4)",
+  ),
+  (
+    "swiglu_D_mismatch",
+    dict(w=ms.SwiGLU(_f32(E, 7, F), _f32(E, 7, F), _f32(E, F, 7))),
+    ValueError,
+    "w's input dimension (7) must equal x's last dimension D (4)",
+  ),
+  (
+    "swiglu_E_disagree",
+    dict(w=_swiglu(e_down=3)),
+    ValueError,
+    "every leaf of w must have the same number of experts on axis 0 "
+    "(got w.gate_EDF: 6, w.up_EDF: 6, w.down_EFD: 3)",
+  ),
+  (
+    "swiglu_E_disagree_up",
+    dict(w=_swiglu(e_gate=4, e_up=6, e_down=4)),
+    ValueError,
+    "every leaf of w must have the same number of experts on axis 0 "
+    "(got w.gate_EDF: 4, w.up_EDF: 6, w.down_EFD: 4)",
+  ),
+  (
+    "swiglu_int_leaf",
+    dict(w=ms.SwiGLU(_f32(E, D, F), np.zeros((E, D, F), np.int32), _f32(E, F, D))),
+    TypeError,
+    "w.up_EDF must have a floating-point dtype (got int32)",
+  ),
+  (
+    "swiglu_scalar_leaf",
+    dict(w=ms.SwiGLU(_f32(E, D, F), _f32(E, D, F), _f32())),
+    ValueError,
+    "w.down_EFD must have the expert axis first (got a scalar)",
+  ),
+  (
+    "swiglu_down_shape",
+    dict(w=ms.SwiGLU(_f32(E, D, F), _f32(E, D, F), _f32(E, F + 1, D))),
+    ValueError,
+    f"SwiGLU needs gate_EDF and up_EDF of one shape [E, D, F] and "
+    f"down_EFD of shape [E, F, D] (got gate {(E, D, F)}, up {(E, D, F)}, "
+    f"down {(E, F + 1, D)})",
+  ),
+  (
+    "swiglu_up_shape",
+    dict(w=ms.SwiGLU(_f32(E, D, F), _f32(E, D, F + 1), _f32(E, F, D))),
+    ValueError,
+    "SwiGLU needs gate_EDF and up_EDF of one shape",
+  ),
+  (
+    "experts_float",
+    dict(experts=_f32(T, K)),
+    TypeError,
+    "experts must have an integer dtype (got float32)",
+  ),
+  (
+    "experts_bool",
+    dict(experts=np.zeros((T, K), bool)),
+    TypeError,
+    "experts must have an integer dtype (got bool)",
+  ),
+  (
+    "experts_wrong_T",
+    dict(experts=np.zeros((T + 1, K), np.int32), weights=_f32(T + 1, K)),
+    ValueError,
+    "experts must be int[T] or int[T, K] with T = 5 tokens (got shape (6, 2))",
+  ),
+  (
+    "experts_wrong_T_1d",
+    dict(experts=np.zeros((T - 1,), np.int32), weights=None),
+    ValueError,
+    "experts must be int[T] or int[T, K] with T = 5 tokens (got shape (4,))",
+  ),
+  (
+    "experts_3d",
+    dict(experts=np.zeros((T, K, 1), np.int32), weights=_f32(T, K, 1)),
+    ValueError,
+    "experts must be int[T] or int[T, K] with T = 5 tokens (got shape (5, 2, 1))",
+  ),
+  (
+    "experts_0d",
+    dict(experts=np.int32(0), weights=None),
+    ValueError,
+    "experts must be int[T] or int[T, K] with T = 5 tokens (got shape ())",
+  ),
+  (
+    "experts_k0",
+    dict(experts=np.zeros((T, 0), np.int32), weights=_f32(T, 0)),
+    ValueError,
+    "experts must route each token to at least one expert (got shape (5, 0))",
+  ),
+  (
+    "weights_wrong_K",
+    dict(weights=_f32(T, K + 1)),
+    ValueError,
+    "weights must have the shape of experts (5, 2) (got (5, 3))",
+  ),
+  (
+    "weights_transposed",
+    dict(weights=_f32(K, T)),
+    ValueError,
+    "weights must have the shape of experts (5, 2) (got (2, 5))",
+  ),
+  (
+    "weights_2d_for_top1",
+    dict(experts=np.zeros((T,), np.int32), weights=_f32(T, 1)),
+    ValueError,
+    "weights must have the shape of experts (5,) (got (5, 1))",
+  ),
+  (
+    "weights_int",
+    dict(weights=np.ones((T, K), np.int32)),
+    TypeError,
+    "weights must have a floating-point dtype (got int32)",
+  ),
 ]
 
 
@@ -116,7 +212,12 @@ def test_good_input_traces(fn, w):
 
 def test_ragged_dot_unknown_gmm_impl():
   args = _good()
-  with pytest.raises(ValueError, match=re.escape(
-      "grouped_matmul: impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled') (got 'dense')")):
-    trace(ms.moe_ragged_dot, args["x_TD"], args["w"], args["experts"], args["weights"],
-          gmm_impl="dense")
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
+      "grouped_matmul: impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled') (got 'dense')"
+    ),
+  ):
+    trace(
+      ms.moe_ragged_dot, args["x_TD"], args["w"], args["experts"], args["weights"], gmm_impl="dense"
+    )

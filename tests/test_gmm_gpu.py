@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from cases import TOL
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from cases import TOL, assert_close
 from moe_shard import gmm_gpu
 
 BF16 = TOL["bfloat16"]  # float16 (10-bit mantissa) is checked to bfloat16's tolerance
@@ -34,8 +35,9 @@ BF16 = TOL["bfloat16"]  # float16 (10-bit mantissa) is checked to bfloat16's tol
 def _close(got, want, err_msg=""):
   want = np.asarray(want, np.float64)
   scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=BF16["rtol"],
-                             atol=BF16["atol"] * scale, err_msg=err_msg)
+  np.testing.assert_allclose(
+    np.asarray(got, np.float64), want, rtol=BF16["rtol"], atol=BF16["atol"] * scale, err_msg=err_msg
+  )
 
 
 def _reference(x, w, sizes, dy):
@@ -53,8 +55,18 @@ def _reference(x, w, sizes, dy):
 # --------------------------------------------------------------------------- stand-ins
 
 
-def _fake_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k,
-                     max_concurrent_steps, grid_block_n, transpose_rhs=False):
+def _fake_ragged_dot(
+  lhs,
+  rhs,
+  *,
+  group_sizes,
+  block_m,
+  block_n,
+  block_k,
+  max_concurrent_steps,
+  grid_block_n,
+  transpose_rhs=False,
+):
   del max_concurrent_steps
   assert lhs.dtype == rhs.dtype, (lhs.dtype, rhs.dtype)
   (m, k), (_, k2, n) = lhs.shape, rhs.shape
@@ -68,8 +80,9 @@ def _fake_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k,
   return jnp.where(rows, y, jnp.nan).astype(lhs.dtype)  # rows past the groups: unwritten
 
 
-def _fake_transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k,
-                                max_concurrent_steps, grid_block_n):
+def _fake_transposed_ragged_dot(
+  lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n
+):
   del max_concurrent_steps, grid_block_n
   assert lhs.dtype == rhs.dtype
   (k, m), (k2, n) = lhs.shape, rhs.shape
@@ -77,14 +90,17 @@ def _fake_transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, bloc
   ends = jnp.cumsum(group_sizes)
   ids_K = jnp.searchsorted(ends, jnp.arange(k), side="right")
   onehot_GK = (ids_K[None] == jnp.arange(len(group_sizes))[:, None]).astype(jnp.float32)
-  return jnp.einsum("gk,km,kn->gmn", onehot_GK, lhs.astype(jnp.float32),
-                    rhs.astype(jnp.float32)).astype(lhs.dtype)
+  return jnp.einsum(
+    "gk,km,kn->gmn", onehot_GK, lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  ).astype(lhs.dtype)
 
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-  fakes = (types.SimpleNamespace(ragged_dot=_fake_ragged_dot),
-           types.SimpleNamespace(transposed_ragged_dot=_fake_transposed_ragged_dot))
+  fakes = (
+    types.SimpleNamespace(ragged_dot=_fake_ragged_dot),
+    types.SimpleNamespace(transposed_ragged_dot=_fake_transposed_ragged_dot),
+  )
   monkeypatch.setattr(gmm_gpu, "_kernels", lambda: fakes)
   monkeypatch.setattr(gmm_gpu, "_default_device_is_a_gpu", lambda: True)
   jax.clear_caches()  # no trace of the real kernels is reused, nor kept for later tests
@@ -96,8 +112,9 @@ def stand_ins(monkeypatch):
 def fake_sm_count(monkeypatch):
   """`jax.devices()[0].core_count` as `transposed_ragged_dot` sees it: 132 (an H100)."""
   _, trd = gmm_gpu._kernels()
-  fake_jax = types.SimpleNamespace(**{k: getattr(jax, k) for k in dir(jax)
-                                      if not k.startswith("__")})
+  fake_jax = types.SimpleNamespace(
+    **{k: getattr(jax, k) for k in dir(jax) if not k.startswith("__")}
+  )
   fake_jax.devices = lambda *a: [types.SimpleNamespace(core_count=132)]
   monkeypatch.setattr(trd, "jax", fake_jax)
   monkeypatch.setattr(gmm_gpu, "_default_device_is_a_gpu", lambda: True)
@@ -106,12 +123,18 @@ def fake_sm_count(monkeypatch):
   jax.clear_caches()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fwd_bwd(preferred_element_type=None, blocks=None):
   def f(x, w, gs, dy):
-    y, vjp = jax.vjp(lambda x, w: gmm_gpu.mosaic_gpu_gmm(
-        x, w, gs, preferred_element_type=preferred_element_type, blocks=blocks), x, w)
+    y, vjp = jax.vjp(
+      lambda x, w: gmm_gpu.mosaic_gpu_gmm(
+        x, w, gs, preferred_element_type=preferred_element_type, blocks=blocks
+      ),
+      x,
+      w,
+    )
     return (y, *vjp(dy))
+
   return jax.jit(f)
 
 
@@ -124,11 +147,11 @@ def _inputs(M, D, F, G, dtype, seed=0):
 
 
 CASES = {
-    "empty_groups_rows_past": (96, 32, 48, [0, 40, 3, 0, 17, 1, 0, 20]),  # 81 of 96 rows
-    "one_group": (64, 128, 128, [50]),
-    "all_rows_one_of_three": (128, 128, 256, [0, 128, 0]),
-    "odd_sizes_clipped": (45, 40, 72, [30, 0, 40]),  # ends past M = 45: clipped
-    "no_rows": (16, 64, 64, [0, 0]),
+  "empty_groups_rows_past": (96, 32, 48, [0, 40, 3, 0, 17, 1, 0, 20]),  # 81 of 96 rows
+  "one_group": (64, 128, 128, [50]),
+  "all_rows_one_of_three": (128, 128, 256, [0, 128, 0]),
+  "odd_sizes_clipped": (45, 40, 72, [30, 0, 40]),  # ends past M = 45: clipped
+  "no_rows": (16, 64, 64, [0, 0]),
 }
 
 
@@ -144,7 +167,8 @@ def test_wrapper_matches_oracle(stand_ins, name, dtype):
     _close(got, want, err_msg=f"{name} {dtype} {what}")
   past = min(sum(sizes), M)
   assert not np.any(np.asarray(y[past:], np.float32)) and not np.any(
-      np.asarray(dx[past:], np.float32))  # exactly zero, not the kernels' unwritten rows
+    np.asarray(dx[past:], np.float32)
+  )  # exactly zero, not the kernels' unwritten rows
 
 
 def test_wrapper_float32_out_and_other_blocks(stand_ins):
@@ -152,8 +176,9 @@ def test_wrapper_float32_out_and_other_blocks(stand_ins):
   x, w, dy = _inputs(M, D, F, len(sizes), jnp.bfloat16)
   blocks = gmm_gpu.BlockConfig(block_m=64, block_n=64, block_k=32, grid_block_n=2)
   assert gmm_gpu.padded_sizes(M, D, F, blocks) == (128, 128, 256)
-  y, dx, dw = _fwd_bwd(jnp.float32, blocks)(x, w, jnp.asarray(sizes, jnp.int32),
-                                            dy.astype(jnp.float32))
+  y, dx, dw = _fwd_bwd(jnp.float32, blocks)(
+    x, w, jnp.asarray(sizes, jnp.int32), dy.astype(jnp.float32)
+  )
   assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
   for got, want in zip((y, dx, dw), _reference(x, w, sizes, dy)):
     _close(got, want)
@@ -170,11 +195,20 @@ def test_wrapper_inside_shard_map(stand_ins, devices):
     return (y, *vjp(dy))
 
   split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")),
-                            out_specs=(P("x"), P("x"), P())))
-  y, dx, dw = (np.asarray(a, np.float32) for a in f(
-      jax.device_put(x, split), jax.device_put(w, rep), jax.device_put(sizes_NG, split),
-      jax.device_put(dy, split)))
+  f = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")), out_specs=(P("x"), P("x"), P())
+    )
+  )
+  y, dx, dw = (
+    np.asarray(a, np.float32)
+    for a in f(
+      jax.device_put(x, split),
+      jax.device_put(w, rep),
+      jax.device_put(sizes_NG, split),
+      jax.device_put(dy, split),
+    )
+  )
   want_dw = 0
   for n, sizes in enumerate(sizes_NG):
     rows = slice(16 * n, 16 * (n + 1))
@@ -209,8 +243,9 @@ def _kernels_traced(fn, *args):
 def _loss(impl):
   x, w, _ = _inputs(96, 32, 48, 8, jnp.bfloat16)
   sizes = jnp.asarray(CASES["empty_groups_rows_past"][3], jnp.int32)
-  fn = jax.grad(lambda x, w: jnp.sum(ms.grouped_matmul(x, w, sizes, impl=impl)
-                                     .astype(jnp.float32)), (0, 1))
+  fn = jax.grad(
+    lambda x, w: jnp.sum(ms.grouped_matmul(x, w, sizes, impl=impl).astype(jnp.float32)), (0, 1)
+  )
   return fn, x, w
 
 
@@ -243,17 +278,21 @@ def test_bf16_scan_over_expert_parallel_layers_grad(fake_sm_count, devices, impl
   differentiated, each layer a shard_map dispatch on a 4 x 2 mesh, here in bfloat16 so that
   every grouped matmul traces the Mosaic GPU branch. Lowered for CPU (tiled branch)."""
   mesh = jax.make_mesh((4, 2), (ms.EXPERT, ms.DATA), devices=devices)
-  cfg = ms.MoEConfig(d_model=64, d_ff=128, num_experts=8, top_k=2, impl=impl,
-                     param_dtype="bfloat16")
+  cfg = ms.MoEConfig(
+    d_model=64, d_ff=128, num_experts=8, top_k=2, impl=impl, param_dtype="bfloat16"
+  )
   layers = [ms.init_moe_params(jax.random.key(i), cfg, mesh) for i in range(2)]
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
-  x_BSD = jax.device_put(jax.random.normal(jax.random.key(5), (8, 4, 64), jnp.bfloat16),
-                         NamedSharding(mesh, P((ms.DATA, ms.EXPERT))))
+  x_BSD = jax.device_put(
+    jax.random.normal(jax.random.key(5), (8, 4, 64), jnp.bfloat16),
+    NamedSharding(mesh, P((ms.DATA, ms.EXPERT))),
+  )
 
   def loss(stacked, x_BSD):
     def body(x_BSD, params):
       y_BSD, aux = ms.moe_layer(params, x_BSD, cfg, mesh)
       return x_BSD + y_BSD, aux["aux_loss"]
+
     x_BSD, aux_L = jax.lax.scan(body, x_BSD, stacked)
     return jnp.sum(x_BSD.astype(jnp.float32) ** 2) + jnp.sum(aux_L)
 
@@ -272,22 +311,41 @@ def test_default_blocks_and_padding():
   assert gmm_gpu.padded_sizes(45, 40, 72, blocks) == (128, 128, 128)
 
 
-@pytest.mark.parametrize("kwargs,args,exc,match", [
+@pytest.mark.parametrize(
+  "kwargs,args,exc,match",
+  [
     ({}, ((4, 8), jnp.float32, (2, 8, 4), (2,)), TypeError, "x_MD must be bfloat16"),
     ({}, ((4, 8), jnp.bfloat16, (2, 6, 4), (2,)), ValueError, "w_GDF's D"),
     ({}, ((4, 8), jnp.bfloat16, (2, 8, 4), (3,)), ValueError, "group_sizes_G must have"),
-    ({"blocks": (128, 128, 64, 4, 1)}, ((4, 8), jnp.bfloat16, (2, 8, 4), (2,)), ValueError,
-     "blocks must be"),
-    ({"blocks": gmm_gpu.BlockConfig(block_k=0)}, ((4, 8), jnp.bfloat16, (2, 8, 4), (2,)),
-     ValueError, "blocks must be"),
-    ({"preferred_element_type": jnp.int32}, ((4, 8), jnp.bfloat16, (2, 8, 4), (2,)),
-     TypeError, "preferred_element_type must be a float"),
-])
+    (
+      {"blocks": (128, 128, 64, 4, 1)},
+      ((4, 8), jnp.bfloat16, (2, 8, 4), (2,)),
+      ValueError,
+      "blocks must be",
+    ),
+    (
+      {"blocks": gmm_gpu.BlockConfig(block_k=0)},
+      ((4, 8), jnp.bfloat16, (2, 8, 4), (2,)),
+      ValueError,
+      "blocks must be",
+    ),
+    (
+      {"preferred_element_type": jnp.int32},
+      ((4, 8), jnp.bfloat16, (2, 8, 4), (2,)),
+      TypeError,
+      "preferred_element_type must be a float",
+    ),
+  ],
+)
 def test_errors(kwargs, args, exc, match):
   x_shape, dtype, w_shape, g_shape = args
   with pytest.raises(exc, match=f"mosaic_gpu_gmm: {match}"):
-    gmm_gpu.mosaic_gpu_gmm(jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, jnp.float32),
-                           jnp.zeros(g_shape, jnp.int32), **kwargs)
+    gmm_gpu.mosaic_gpu_gmm(
+      jnp.zeros(x_shape, dtype),
+      jnp.zeros(w_shape, jnp.float32),
+      jnp.zeros(g_shape, jnp.int32),
+      **kwargs,
+    )
 
 
 def test_block_config_is_hashable_and_replaceable():

@@ -13,11 +13,12 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 import oracle
+import pytest
 from cases import assert_close
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from moe_shard import gmm_tpu
 
 
@@ -35,19 +36,24 @@ def _group_ids(group_sizes, M):
   return np.concatenate([ids, np.full(M - len(ids), -1)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fwd_bwd(preferred_element_type=None, tiling=None):
   """A jitted (x, w, gs, dy) -> (y, dx, dw); one compile per shape and dtype."""
+
   def f(x, w, gs, dy):
-    y, vjp = jax.vjp(lambda x, w: gmm_tpu.megablox_gmm(
-        x, w, gs, preferred_element_type=preferred_element_type, tiling=tiling,
-        interpret=True), x, w)
+    y, vjp = jax.vjp(
+      lambda x, w: gmm_tpu.megablox_gmm(
+        x, w, gs, preferred_element_type=preferred_element_type, tiling=tiling, interpret=True
+      ),
+      x,
+      w,
+    )
     return (y, *vjp(dy))
+
   return jax.jit(f)
 
 
-def check(M, D, F, group_sizes, dtype=jnp.float32, preferred_element_type=None,
-          tiling=None):
+def check(M, D, F, group_sizes, dtype=jnp.float32, preferred_element_type=None, tiling=None):
   out_dtype = dtype if preferred_element_type is None else preferred_element_type
   x, w, dy = _inputs(M, D, F, len(group_sizes), dtype)
   dy = dy.astype(out_dtype)  # the cotangent has y's dtype
@@ -69,13 +75,13 @@ def check(M, D, F, group_sizes, dtype=jnp.float32, preferred_element_type=None,
 
 # M = 45 rows: one 128-row tile, padded; D = 8 and F = 12 padded to 128.
 NAMED = {
-    "random_with_empty": [10, 0, 20, 0, 3, 4],  # sum 37: rows past the total
-    "every_row_routed": [8, 8, 8, 8, 8, 5],
-    "single_nonempty_group": [0, 0, 45, 0, 0, 0],
-    "all_empty": [0, 0, 0, 0, 0, 0],
-    # 140 > 128 padded rows: clipped to end at 45. (Unclipped, megablox would index a row
-    # tile past the array: clamped in interpret mode, out of bounds on a TPU.)
-    "sum_above_padded_m": [30, 90, 0, 0, 0, 20],
+  "random_with_empty": [10, 0, 20, 0, 3, 4],  # sum 37: rows past the total
+  "every_row_routed": [8, 8, 8, 8, 8, 5],
+  "single_nonempty_group": [0, 0, 45, 0, 0, 0],
+  "all_empty": [0, 0, 0, 0, 0, 0],
+  # 140 > 128 padded rows: clipped to end at 45. (Unclipped, megablox would index a row
+  # tile past the array: clamped in interpret mode, out of bounds on a TPU.)
+  "sum_above_padded_m": [30, 90, 0, 0, 0, 20],
 }
 
 
@@ -105,8 +111,7 @@ def test_bfloat16_matches_oracle():
 
 
 def test_bfloat16_in_float32_out():
-  check(45, 8, 12, [10, 0, 20, 3, 0, 9], dtype=jnp.bfloat16,
-        preferred_element_type=jnp.float32)
+  check(45, 8, 12, [10, 0, 20, 3, 0, 9], dtype=jnp.bfloat16, preferred_element_type=jnp.float32)
 
 
 def test_inside_shard_map(devices):
@@ -120,10 +125,17 @@ def test_inside_shard_map(devices):
     return (y, *vjp(dy))
 
   split, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")),
-                            out_specs=(P("x"), P("x"), P())))
-  y, dx, dw = f(jax.device_put(x, split), jax.device_put(w, rep),
-                jax.device_put(sizes_NG, split), jax.device_put(dy, split))
+  f = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")), out_specs=(P("x"), P("x"), P())
+    )
+  )
+  y, dx, dw = f(
+    jax.device_put(x, split),
+    jax.device_put(w, rep),
+    jax.device_put(sizes_NG, split),
+    jax.device_put(dy, split),
+  )
   ids = np.concatenate([_group_ids(s, 16) for s in sizes_NG])
   assert_close(y, oracle.moe(x, w, ids), jnp.float32)
   want_dx, want_dw, _ = oracle.moe_grads(x, w, ids, None, dy)
@@ -139,8 +151,8 @@ def test_platform_dependent_takes_default_branch_on_cpu():
     return jax.lax.ragged_dot(x, w, gs)
 
   def f(x, w):
-    return jax.lax.platform_dependent(x, w, gs, tpu=gmm_tpu.megablox_gmm,
-                                      default=dense_masked)
+    return jax.lax.platform_dependent(x, w, gs, tpu=gmm_tpu.megablox_gmm, default=dense_masked)
+
   got = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w) * dy), (0, 1)))(x, w)
   want = jax.value_and_grad(lambda x, w: jnp.sum(dense_masked(x, w, gs) * dy), (0, 1))(x, w)
   for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -152,28 +164,42 @@ def test_compiles_for_tpu_in_shard_map():
   takes the padded odd shapes, the kernels trace under check_vma, dw is all-reduced."""
   pytest.importorskip("libtpu")
   from jax.experimental import topologies
+
   devs = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices
   mesh = jax.sharding.Mesh(np.array(devs), ("x",))
 
   def gmm(x, w, gs):
-    return jax.lax.platform_dependent(x, w, gs, tpu=gmm_tpu.megablox_gmm,
-                                      default=jax.lax.ragged_dot)
+    return jax.lax.platform_dependent(
+      x, w, gs, tpu=gmm_tpu.megablox_gmm, default=jax.lax.ragged_dot
+    )
 
   def body(x, w, gs, dy):
     y, vjp = jax.vjp(lambda x, w: gmm(x, w, gs[0]), x, w)
     return (y, *vjp(dy))
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")),
-                            out_specs=(P("x"), P("x"), P())))
-  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
-      shape, dtype, sharding=NamedSharding(mesh, spec))
-  text = f.lower(sds((8 * 45, 8), jnp.bfloat16, P("x")), sds((6, 8, 12), jnp.bfloat16, P()),
-                 sds((8, 6), jnp.int32, P("x")),
-                 sds((8 * 45, 12), jnp.bfloat16, P("x"))).compile().as_text()
+  f = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")), out_specs=(P("x"), P("x"), P())
+    )
+  )
+  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=NamedSharding(mesh, spec)
+  )
+  text = (
+    f.lower(
+      sds((8 * 45, 8), jnp.bfloat16, P("x")),
+      sds((6, 8, 12), jnp.bfloat16, P()),
+      sds((8, 6), jnp.int32, P("x")),
+      sds((8 * 45, 12), jnp.bfloat16, P("x")),
+    )
+    .compile()
+    .as_text()
+  )
   assert "all-reduce" in text
   # gmm, gmm^T, tgmm, each declaring 2*m*k*n FLOPs on the padded per-device problem
   # (45 -> 128 rows, 8 and 12 -> 128 columns): what `bench.gmm_tpu.kernel_costs` reads.
   from bench.gmm_tpu import kernel_costs
+
   assert [f for f, _ in kernel_costs(text)] == [2 * 128**3] * 3
 
 
@@ -184,24 +210,30 @@ def test_default_tpu_backend_in_scan_over_layers_training(impl):
   varying-axes check when JAX transforms the scan (the reason the dispatches' shard_maps
   run without it). The step must compile and hold megablox's kernels."""
   pytest.importorskip("libtpu")
-  import moe_shard as ms
   from jax.experimental import topologies
+
+  import moe_shard as ms
+
   devs = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices
   mesh = jax.sharding.Mesh(np.array(devs).reshape(4, 2), ("expert", "data"))
-  cfg = ms.MoEConfig(d_model=128, d_ff=128, num_experts=8, top_k=2, impl=impl,
-                     param_dtype="bfloat16")
+  cfg = ms.MoEConfig(
+    d_model=128, d_ff=128, num_experts=8, top_k=2, impl=impl, param_dtype="bfloat16"
+  )
   shapes = jax.eval_shape(lambda k: ms.init_moe_params(k, cfg), jax.random.key(0))
   specs = ms.moe_param_specs(cfg)
-  sds = lambda a, spec: jax.ShapeDtypeStruct(  # noqa: E731 - two layers stacked
-      (2,) + a.shape, a.dtype, sharding=NamedSharding(mesh, P(None, *spec)))
+  sds = lambda a, spec: jax.ShapeDtypeStruct(
+    (2,) + a.shape, a.dtype, sharding=NamedSharding(mesh, P(None, *spec))
+  )
   params = jax.tree.map(sds, shapes, specs)
-  x = jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16,
-                           sharding=NamedSharding(mesh, P(("expert", "data"))))
+  x = jax.ShapeDtypeStruct(
+    (8, 32, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(("expert", "data")))
+  )
 
   def loss(params, x):
     def block(x, p):
       y, aux = ms.moe_layer(p, x, cfg, mesh)
       return x + y, aux["aux_loss"]
+
     x, aux = jax.lax.scan(block, x, params)
     return jnp.sum(x.astype(jnp.float32)) + jnp.sum(aux)
 
@@ -212,7 +244,9 @@ def test_default_tpu_backend_in_scan_over_layers_training(impl):
 # --- the tiling rule ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("M,D,F,dtype,G,want", [
+@pytest.mark.parametrize(
+  "M,D,F,dtype,G,want",
+  [
     (8192, 2048, 4096, jnp.bfloat16, 1, (512, 1024, 1024)),
     (8192, 2048, 4096, jnp.bfloat16, 8, (512, 1024, 1024)),  # 7 * 512 <= 3/4 * 8192
     (8192, 2048, 4096, jnp.bfloat16, 13, (512, 1024, 1024)),
@@ -221,7 +255,8 @@ def test_default_tpu_backend_in_scan_over_layers_training(impl):
     (8192, 2048, 4096, jnp.float32, 1, (512, 512, 1024)),  # f32: halve tk to fit VMEM
     (45, 8, 12, jnp.float32, 6, (128, 128, 128)),  # tiny: one padded tile each
     (300, 384, 640, jnp.bfloat16, 2, (256, 384, 640)),  # divisors of 3 and 5 lanes
-])
+  ],
+)
 def test_default_tiling(M, D, F, dtype, G, want):
   got = gmm_tpu.default_tiling(M, D, F, dtype, num_groups=G)
   assert got == want
@@ -233,19 +268,38 @@ def test_default_tiling(M, D, F, dtype, G, want):
 # --- errors ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,args,exc,match", [
+@pytest.mark.parametrize(
+  "kwargs,args,exc,match",
+  [
     ({}, ((4, 8), jnp.float16, (2, 8, 4), (2,)), TypeError, "x_MD must be bfloat16"),
     ({}, ((4, 8), jnp.float32, (2, 6, 4), (2,)), ValueError, "w_GDF's D"),
     ({}, ((4, 8), jnp.float32, (2, 8, 4), (3,)), ValueError, "group_sizes_G must have"),
-    ({"tiling": (100, 128, 128)}, ((4, 8), jnp.float32, (2, 8, 4), (2,)), ValueError,
-     "tiling must be"),
-    ({"tiling": (128, 64, 128)}, ((4, 8), jnp.float32, (2, 8, 4), (2,)), ValueError,
-     "tiling must be"),
-    ({"preferred_element_type": jnp.int32}, ((4, 8), jnp.float32, (2, 8, 4), (2,)),
-     TypeError, "preferred_element_type must be a float"),
-])
+    (
+      {"tiling": (100, 128, 128)},
+      ((4, 8), jnp.float32, (2, 8, 4), (2,)),
+      ValueError,
+      "tiling must be",
+    ),
+    (
+      {"tiling": (128, 64, 128)},
+      ((4, 8), jnp.float32, (2, 8, 4), (2,)),
+      ValueError,
+      "tiling must be",
+    ),
+    (
+      {"preferred_element_type": jnp.int32},
+      ((4, 8), jnp.float32, (2, 8, 4), (2,)),
+      TypeError,
+      "preferred_element_type must be a float",
+    ),
+  ],
+)
 def test_errors(kwargs, args, exc, match):
   x_shape, dtype, w_shape, g_shape = args
   with pytest.raises(exc, match=f"megablox_gmm: {match}"):
-    gmm_tpu.megablox_gmm(jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, jnp.float32),
-                         jnp.zeros(g_shape, jnp.int32), **kwargs)
+    gmm_tpu.megablox_gmm(
+      jnp.zeros(x_shape, dtype),
+      jnp.zeros(w_shape, jnp.float32),
+      jnp.zeros(g_shape, jnp.int32),
+      **kwargs,
+    )

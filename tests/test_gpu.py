@@ -19,18 +19,19 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
+from cases import ROUTINGS, assert_close, assert_tree_close, cotangent, feasible, make_case
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-import oracle
-from cases import ROUTINGS, assert_close, assert_tree_close, cotangent, feasible, make_case
 from moe_shard.parallel import ragged_all_to_all_emulated
 
 pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "gpu",
-    reason="needs a GPU (CI has none): run `JAX_PLATFORMS=cuda python -m pytest "
-           "tests/test_gpu.py` on a machine with one")
+  jax.default_backend() != "gpu",
+  reason="needs a GPU (CI has none): run `JAX_PLATFORMS=cuda python -m pytest "
+  "tests/test_gpu.py` on a machine with one",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -63,12 +64,11 @@ def test_native_ragged_all_to_all_matches_the_emulation_and_the_model():
   output = np.full((rows, D), -7.0, np.float32)
   want = output.copy()
   for i in range(J):
-    want[out_off[i]:out_off[i] + send[i]] = operand[in_off[i]:in_off[i] + send[i]]
+    want[out_off[i] : out_off[i] + send[i]] = operand[in_off[i] : in_off[i] + send[i]]
 
   def exchange(fn):
     body = functools.partial(fn, axis_name="x")
-    f = jax.shard_map(body, mesh=_mesh(("x",)), in_specs=P(), out_specs=P(),
-                      check_vma=False)
+    f = jax.shard_map(body, mesh=_mesh(("x",)), in_specs=P(), out_specs=P(), check_vma=False)
     return np.asarray(jax.jit(f)(operand, output, in_off, send, out_off, send))
 
   np.testing.assert_array_equal(exchange(jax.lax.ragged_all_to_all), want)
@@ -123,11 +123,11 @@ def test_grouped_matmul_backends(impl, dtype):
 # Mosaic GPU backend (`gmm_gpu`): empty groups, one group, rows past the groups' total, sizes
 # clipped by M, D and F that are not multiples of the blocks (padded), many groups.
 MOSAIC_CASES = {
-    "empty_groups_rows_past": (96, 32, 48, [0, 40, 3, 0, 17, 1, 0, 20]),
-    "one_group": (256, 128, 256, [200]),
-    "odd_d_f_clipped": (300, 200, 130, [100, 0, 250]),
-    "many_groups": (1000, 256, 384, [0, 1, 63, 64, 65, 127, 128, 129, 0, 0, 300, 2] * 2),
-    "no_rows": (128, 128, 128, [0, 0, 0]),
+  "empty_groups_rows_past": (96, 32, 48, [0, 40, 3, 0, 17, 1, 0, 20]),
+  "one_group": (256, 128, 256, [200]),
+  "odd_d_f_clipped": (300, 200, 130, [100, 0, 250]),
+  "many_groups": (1000, 256, 384, [0, 1, 63, 64, 65, 127, 128, 129, 0, 0, 300, 2] * 2),
+  "no_rows": (128, 128, 128, [0, 0, 0]),
 }
 
 
@@ -135,6 +135,7 @@ MOSAIC_CASES = {
 @pytest.mark.parametrize("case", list(MOSAIC_CASES))
 def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype):
   from moe_shard import gmm_gpu
+
   M, D, F, sizes = MOSAIC_CASES[case]
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.normal(size=(M, D)), dtype)
@@ -153,8 +154,8 @@ def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype):
     assert g.dtype == jnp.dtype(dtype) and g.shape == want.shape
     # float16 (10-bit mantissa) to bfloat16's tolerance
     assert_close(g.astype(jnp.float32), want, jnp.bfloat16, err_msg=f"{case} {dtype} {what}")
-  assert not np.any(np.asarray(got[0][ends[-1]:], np.float32))  # zeros, not unwritten rows
-  assert not np.any(np.asarray(got[1][ends[-1]:], np.float32))
+  assert not np.any(np.asarray(got[0][ends[-1] :], np.float32))  # zeros, not unwritten rows
+  assert not np.any(np.asarray(got[1][ends[-1] :], np.float32))
 
 
 def test_auto_runs_the_mosaic_gpu_kernels():
@@ -162,6 +163,7 @@ def test_auto_runs_the_mosaic_gpu_kernels():
   x = jnp.ones((256, 128), jnp.bfloat16)
   w = jnp.ones((4, 128, 128), jnp.bfloat16)
   gs = jnp.asarray([64, 0, 100, 50], jnp.int32)
+
   def f(x, w):
     y, vjp = jax.vjp(lambda x, w: ms.grouped_matmul(x, w, gs), x, w)
     return y, *vjp(jnp.ones_like(y))
@@ -177,10 +179,10 @@ def test_auto_runs_the_mosaic_gpu_kernels():
 
 
 DISPATCHES = {
-    "ragged_dot": ms.moe_ragged_dot,
-    "ragged_all_to_all": functools.partial(ms.moe_ragged_all_to_all, mesh=_mesh()),
-    "all_to_all": functools.partial(ms.moe_all_to_all, mesh=_mesh()),
-    "all_gather": functools.partial(ms.moe_all_gather, mesh=_mesh()),
+  "ragged_dot": ms.moe_ragged_dot,
+  "ragged_all_to_all": functools.partial(ms.moe_ragged_all_to_all, mesh=_mesh()),
+  "all_to_all": functools.partial(ms.moe_all_to_all, mesh=_mesh()),
+  "all_gather": functools.partial(ms.moe_all_gather, mesh=_mesh()),
 }
 
 
@@ -202,28 +204,37 @@ def test_dispatch_matches_the_oracle(name, routing):
   T, D, F, E = 13, 8, 16, 4
   K = E if routing == "k_equals_e" else 2
   assert feasible(routing, E=E, K=K)
-  x, w, experts, weights = make_case(routing, T=T, D=D, F=F, E=E, K=K, seed=3,
-                                     ffn="swiglu", num_devices=1)
+  x, w, experts, weights = make_case(
+    routing, T=T, D=D, F=F, E=E, K=K, seed=3, ffn="swiglu", num_devices=1
+  )
   ct = cotangent((T, D), jnp.float32, seed=3)
   y, grads = _outputs_and_grads(name, x, w, experts, weights, ct)
   assert_close(y, oracle.moe(x, w, experts, weights), jnp.float32, err_msg=f"{name} y")
-  assert_tree_close(grads, oracle.moe_grads(x, w, experts, weights, ct), jnp.float32,
-                    err_msg=f"{name} grads")
+  assert_tree_close(
+    grads, oracle.moe_grads(x, w, experts, weights, ct), jnp.float32, err_msg=f"{name} grads"
+  )
 
 
 @pytest.mark.parametrize("impl", ["auto", "ragged_all_to_all", "all_to_all"])
 def test_layer_in_bfloat16(impl):
   """The whole layer (router, dispatch, shared expert) on the GPU mesh, bf16, against the
   local masked-scan reference run in float32 on the same bf16 inputs."""
-  cfg = ms.MoEConfig(d_model=64, d_ff=128, num_experts=8, top_k=2, num_shared_experts=1,
-                     shared_d_ff=64, impl=impl, param_dtype="bfloat16")
+  cfg = ms.MoEConfig(
+    d_model=64,
+    d_ff=128,
+    num_experts=8,
+    top_k=2,
+    num_shared_experts=1,
+    shared_d_ff=64,
+    impl=impl,
+    param_dtype="bfloat16",
+  )
   ref_cfg = ms.MoEConfig(**{**cfg.__dict__, "impl": "masked_scan", "param_dtype": "float32"})
   params = ms.init_moe_params(jax.random.key(0), cfg)
   x = jax.random.normal(jax.random.key(1), (4, 32, 64), jnp.bfloat16)
   y, aux = jax.jit(ms.moe_layer, static_argnums=(2, 3))(params, x, cfg, _mesh())
   params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-  want, _ = jax.jit(ms.moe_layer, static_argnums=(2,))(params32, x.astype(jnp.float32),
-                                                       ref_cfg)
+  want, _ = jax.jit(ms.moe_layer, static_argnums=(2,))(params32, x.astype(jnp.float32), ref_cfg)
   assert y.dtype == jnp.bfloat16
   assert_close(y.astype(jnp.float32), want, jnp.bfloat16, err_msg=impl)
   assert int(jnp.sum(aux["expert_load"])) == 4 * 32 * 2
@@ -234,11 +245,11 @@ def test_layer_in_bfloat16(impl):
 # here it runs on the GPU itself.
 def test_mosaic_gpu_gmm_single_tile():
   from moe_shard import gmm_gpu
+
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(64, 128)), jnp.bfloat16)
   w = jnp.asarray(rng.normal(size=(1, 128, 128)) / np.sqrt(128), jnp.bfloat16)
   dy = jnp.asarray(rng.normal(size=(64, 128)), jnp.bfloat16)
   y, vjp = jax.vjp(lambda x, w: gmm_gpu.mosaic_gpu_gmm(x, w, jnp.asarray([50])), x, w)
-  for what, g, want in zip(("y", "dx", "dw"), (y, *vjp(dy)),
-                           _gmm_reference(x, w, [50], dy)):
+  for what, g, want in zip(("y", "dx", "dw"), (y, *vjp(dy)), _gmm_reference(x, w, [50], dy)):
     assert_close(g.astype(jnp.float32), want, jnp.bfloat16, err_msg=what)

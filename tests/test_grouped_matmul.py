@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import assert_close
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from cases import TOL, assert_close
 
 # The module (the package re-exports the function under the same name).
 gmm = importlib.import_module("moe_shard.gmm_tiled")
@@ -33,27 +33,37 @@ def _inputs(M, D, F, group_sizes, dtype=jnp.float32, seed=0):
   return x, w, jnp.asarray(group_sizes, jnp.int32), dy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fwd_bwd(impl, max_tile=None, min_tile=None):
   """A jitted (x, w, gs, dy) -> (y, dx, dw), cached so equal shapes reuse the compile."""
+
   def f(x, w, gs, dy):
-    y, vjp = jax.vjp(functools.partial(ms.grouped_matmul, group_sizes_G=gs, impl=impl,
-                                       max_tile=max_tile, min_tile=min_tile), x, w)
+    y, vjp = jax.vjp(
+      functools.partial(
+        ms.grouped_matmul, group_sizes_G=gs, impl=impl, max_tile=max_tile, min_tile=min_tile
+      ),
+      x,
+      w,
+    )
     return (y, *vjp(dy))
+
   return jax.jit(f)
 
 
 @jax.jit
 def _reference(x, w, gs, dy):
   """lax.ragged_dot with float32 accumulation; rows past sum(gs) give zeros."""
+
   def f(x, w):
     return jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
+
   y, vjp = jax.vjp(f, x, w)
   return (y, *vjp(dy))
 
 
-def check_against_ragged_dot(M, D, F, group_sizes, dtype=jnp.float32, max_tile=None,
-                             min_tile=None, seed=0):
+def check_against_ragged_dot(
+  M, D, F, group_sizes, dtype=jnp.float32, max_tile=None, min_tile=None, seed=0
+):
   x, w, gs, dy = _inputs(M, D, F, group_sizes, dtype, seed)
   got = _fwd_bwd("tiled", max_tile, min_tile)(x, w, gs, dy)
   want = _reference(x, w, gs, dy)
@@ -69,24 +79,24 @@ def check_against_ragged_dot(M, D, F, group_sizes, dtype=jnp.float32, max_tile=N
 # Compiling the tiled kernel takes ~2 s on CPU, so the cases share a few shapes (M, D, F)
 # with a fixed number of groups; group sizes are values and need no recompile.
 SHAPES = {
-    "M45_G6": (45, 8, 12),  # 45: not a multiple of any tile size
-    "M29_G1": (29, 8, 12),
-    "M3_G2": (3, 8, 12),  # fewer rows than the default smallest tile
+  "M45_G6": (45, 8, 12),  # 45: not a multiple of any tile size
+  "M29_G1": (29, 8, 12),
+  "M3_G2": (3, 8, 12),  # fewer rows than the default smallest tile
 }
 NAMED = {
-    # name: (shape, group_sizes)
-    "random_with_empty": ("M45_G6", [10, 0, 20, 0, 3, 4]),
-    "every_row_routed": ("M45_G6", [8, 8, 8, 8, 8, 5]),
-    "single_nonempty_group": ("M45_G6", [0, 0, 45, 0, 0, 0]),
-    "first_group_all_rows": ("M45_G6", [45, 0, 0, 0, 0, 0]),
-    "last_group_all_rows": ("M45_G6", [0, 0, 0, 0, 0, 45]),
-    "sum_below_m": ("M45_G6", [7, 0, 13, 5, 0, 0]),
-    "all_empty": ("M45_G6", [0, 0, 0, 0, 0, 0]),
-    "one_row_groups": ("M45_G6", [1, 1, 1, 1, 1, 1]),
-    "group_rows_not_tile_multiples": ("M45_G6", [17, 19, 9, 0, 0, 0]),
-    "one_group": ("M29_G1", [29]),
-    "one_group_partial": ("M29_G1", [11]),
-    "fewer_rows_than_min_tile": ("M3_G2", [1, 2]),
+  # name: (shape, group_sizes)
+  "random_with_empty": ("M45_G6", [10, 0, 20, 0, 3, 4]),
+  "every_row_routed": ("M45_G6", [8, 8, 8, 8, 8, 5]),
+  "single_nonempty_group": ("M45_G6", [0, 0, 45, 0, 0, 0]),
+  "first_group_all_rows": ("M45_G6", [45, 0, 0, 0, 0, 0]),
+  "last_group_all_rows": ("M45_G6", [0, 0, 0, 0, 0, 45]),
+  "sum_below_m": ("M45_G6", [7, 0, 13, 5, 0, 0]),
+  "all_empty": ("M45_G6", [0, 0, 0, 0, 0, 0]),
+  "one_row_groups": ("M45_G6", [1, 1, 1, 1, 1, 1]),
+  "group_rows_not_tile_multiples": ("M45_G6", [17, 19, 9, 0, 0, 0]),
+  "one_group": ("M29_G1", [29]),
+  "one_group_partial": ("M29_G1", [11]),
+  "fewer_rows_than_min_tile": ("M3_G2", [1, 2]),
 }
 
 
@@ -103,8 +113,9 @@ TILES = [(None, None), (8, 8), (16, 1), (4, 2), (256, 32)]
 
 @pytest.mark.parametrize("max_tile,min_tile", TILES)
 def test_tile_settings_match_ragged_dot(max_tile, min_tile):
-  check_against_ragged_dot(*SHAPES["M45_G6"], [9, 0, 21, 1, 6, 0], max_tile=max_tile,
-                           min_tile=min_tile)
+  check_against_ragged_dot(
+    *SHAPES["M45_G6"], [9, 0, 21, 1, 6, 0], max_tile=max_tile, min_tile=min_tile
+  )
 
 
 def test_bfloat16_matches_ragged_dot():
@@ -129,8 +140,9 @@ def group_sizes(draw, M, G):
 PROPERTY_CASES = [("M45_G6", t) for t in TILES] + [("M29_G1", TILES[0])]
 
 
-@pytest.mark.parametrize("shape,tiles", PROPERTY_CASES,
-                         ids=[f"{s}-tiles{t[0]}_{t[1]}" for s, t in PROPERTY_CASES])
+@pytest.mark.parametrize(
+  "shape,tiles", PROPERTY_CASES, ids=[f"{s}-tiles{t[0]}_{t[1]}" for s, t in PROPERTY_CASES]
+)
 @hypothesis.given(data=st.data(), seed=st.integers(0, 2**16))
 def test_random_group_sizes_match_ragged_dot(shape, tiles, data, seed):
   M, D, F = SHAPES[shape]
@@ -138,8 +150,9 @@ def test_random_group_sizes_match_ragged_dot(shape, tiles, data, seed):
   sizes = data.draw(group_sizes(M, G), label="group_sizes")
   # What was drawn, for `pytest --hypothesis-show-statistics`.
   hypothesis.event(f"non-empty groups: {sum(s > 0 for s in sizes)} of {G}")
-  hypothesis.event("rows routed: " + ("all" if sum(sizes) == M else
-                                      "none" if sum(sizes) == 0 else "some, not all"))
+  hypothesis.event(
+    "rows routed: " + ("all" if sum(sizes) == M else "none" if sum(sizes) == 0 else "some, not all")
+  )
   check_against_ragged_dot(M, D, F, sizes, max_tile=tiles[0], min_tile=tiles[1], seed=seed)
 
 
@@ -186,13 +199,14 @@ def _covered_rows(group_sizes, M, tiles):
 
 
 @hypothesis.given(
-    sizes=st.lists(st.integers(0, 70), min_size=1, max_size=12),
-    extra_rows=st.integers(0, 9),
-    max_log=st.integers(0, 7), min_log=st.integers(0, 7))
-def test_schedule_covers_each_row_once_within_the_row_bound(sizes, extra_rows, max_log,
-                                                          min_log):
+  sizes=st.lists(st.integers(0, 70), min_size=1, max_size=12),
+  extra_rows=st.integers(0, 9),
+  max_log=st.integers(0, 7),
+  min_log=st.integers(0, 7),
+)
+def test_schedule_covers_each_row_once_within_the_row_bound(sizes, extra_rows, max_log, min_log):
   M = max(1, sum(sizes) + extra_rows)
-  max_tile, min_tile = 2**max(max_log, min_log), 2**min(max_log, min_log)
+  max_tile, min_tile = 2 ** max(max_log, min_log), 2 ** min(max_log, min_log)
   tiles = gmm.tile_sizes(M, max_tile, min_tile)
   hits, sched = _covered_rows(sizes, M, tiles)
   routed = min(M, sum(sizes))
@@ -217,8 +231,7 @@ def test_schedule_on_device_equals_host():
   np.testing.assert_array_equal(np.sort(dev.groups[:n]), np.sort(host.groups[:n]))
 
 
-@pytest.mark.parametrize("M,G", [(8192, 8), (8192, 32), (8192, 128), (8192, 4096), (37, 4),
-                                 (5, 1)])
+@pytest.mark.parametrize("M,G", [(8192, 8), (8192, 32), (8192, 128), (8192, 4096), (37, 4), (5, 1)])
 def test_default_tiles_bound_padding_to_a_quarter_of_m(M, G):
   max_tile, min_tile = gmm.default_tiles(M, G)
   assert min_tile <= gmm.PREFERRED_MIN_TILE and min_tile & (min_tile - 1) == 0
@@ -236,8 +249,7 @@ def test_loop_trip_counts_follow_the_schedule():
   counts = accounting.loop_trip_counts([300, 0, 40, 5], 400, (256, 64, 16))
   # Sizes need not be consecutive powers of two: 300 = 256 + 44 -> one 256, no 64, and
   # 44 -> two 16s and a masked 16; 40 -> three 16s (the last masked); 5 -> one masked 16.
-  assert counts == {"gmm_groups": 3, "gmm_tile_256": 1, "gmm_tile_64": 0,
-                    "gmm_tile_16": 3 + 3 + 1}
+  assert counts == {"gmm_groups": 3, "gmm_tile_256": 1, "gmm_tile_64": 0, "gmm_tile_16": 3 + 3 + 1}
 
 
 def test_two_matmuls_of_one_shape_copy_no_whole_buffer():
@@ -282,8 +294,9 @@ def test_inside_shard_map_forward_and_grad(mesh8):
     # Per-device sizes: M rows, L groups.
     outs = []
     for w in (w_LDF, w_shared_LDF):
-      y, vjp = jax.vjp(lambda x, w: ms.grouped_matmul(x, w, gs_L, impl="tiled", max_tile=8,
-                                                      min_tile=2), x_MD, w)
+      y, vjp = jax.vjp(
+        lambda x, w: ms.grouped_matmul(x, w, gs_L, impl="tiled", max_tile=8, min_tile=2), x_MD, w
+      )
       dx, dw = vjp(dy_MF)
       outs += [y, dx, dw]
     # outs[-1], the gradient of the replicated w, is already the sum over devices: JAX
@@ -291,12 +304,20 @@ def test_inside_shard_map_forward_and_grad(mesh8):
     return tuple(outs)
 
   row = P("expert")
-  f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(row, row, P(), row, row),
-                            out_specs=(row, row, row, row, row, P()), check_vma=True))
+  f = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh8,
+      in_specs=(row, row, P(), row, row),
+      out_specs=(row, row, row, row, row, P()),
+      check_vma=True,
+    )
+  )
   sharded = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh8, row))
   replicated = jax.device_put(w_shared, jax.sharding.NamedSharding(mesh8, P()))
-  got = [np.asarray(a) for a in f(sharded(x), sharded(w_local), replicated, sharded(gs),
-                                  sharded(dy))]
+  got = [
+    np.asarray(a) for a in f(sharded(x), sharded(w_local), replicated, sharded(gs), sharded(dy))
+  ]
   dw_shared = 0
   for n in range(N):
     rows, groups = slice(n * M, (n + 1) * M), slice(n * L, (n + 1) * L)
@@ -355,12 +376,15 @@ def test_error_bad_rank():
     ms.grouped_matmul(x, jnp.zeros((4, 3)), gs)
 
 
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(max_tile=24), r"max_tile must be a power of two \(got 24\)"),
     (dict(min_tile=3), r"min_tile must be a power of two \(got 3\)"),
     (dict(max_tile=0), r"max_tile must be a power of two \(got 0\)"),
     (dict(max_tile=8, min_tile=16), r"min_tile \(16\) must be <= max_tile \(8\)"),
-])
+  ],
+)
 def test_error_bad_tiles(kw, match):
   with pytest.raises(ValueError, match=match):
     ms.grouped_matmul(*_args(), impl="tiled", **kw)
@@ -375,5 +399,4 @@ def test_errors_raise_at_trace_time():
   x, w, gs = _args()
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   with pytest.raises(ValueError, match="impl must be one of"):
-    jax.eval_shape(functools.partial(ms.grouped_matmul, impl="nope"), spec(x), spec(w),
-                   spec(gs))
+    jax.eval_shape(functools.partial(ms.grouped_matmul, impl="nope"), spec(x), spec(w), spec(gs))

@@ -12,14 +12,14 @@ import re
 
 import jax
 import jax.numpy as jnp
+import layer_oracle
 import numpy as np
 import pytest
+from cases import FAST_COMPILE, assert_close, assert_tree_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import layer_oracle
 import moe_shard as ms
-from cases import FAST_COMPILE, assert_close, assert_tree_close
 
 B, S, D, F, E, K = 8, 3, 8, 12, 8, 2  # T = 24 tokens: 3 per device on the 4 x 2 mesh
 IMPLS = ("masked_scan", "ragged_dot", "all_gather", "all_to_all")
@@ -37,8 +37,10 @@ def config(**overrides):
 
 def without_shared(cfg, params):
   """The same layer without its shared experts (no new init)."""
-  return (dataclasses.replace(cfg, num_shared_experts=0, shared_d_ff=None),
-          dataclasses.replace(params, shared=None))
+  return (
+    dataclasses.replace(cfg, num_shared_experts=0, shared_d_ff=None),
+    dataclasses.replace(params, shared=None),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,7 @@ def run_and_grad(params, x_BSD, ct_BSD, cfg, mesh=None):
     y, aux = ms.moe_layer(params, x_BSD, cfg, mesh)
     return jnp.sum(y.astype(jnp.float32) * ct_BSD) + aux["aux_loss"], (y, aux)
 
-  (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      params, x_BSD)
+  (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BSD)
   return y, aux, grads
 
 
@@ -84,64 +85,118 @@ def swiglu64(w, x_TD):
 # --------------------------------------------------------------------------- config
 
 BAD_CONFIGS = [
-    (dict(d_model=0), ValueError, "MoEConfig: d_model must be >= 1 (got 0)"),
-    (dict(d_ff=2.5), TypeError, "MoEConfig: d_ff must be an int (got 2.5)"),
-    (dict(num_experts=True), TypeError, "MoEConfig: num_experts must be an int (got True)"),
-    (dict(top_k=0), ValueError, "MoEConfig: top_k must be >= 1 (got 0)"),
-    (dict(top_k=9), ValueError, "MoEConfig: top_k must be <= num_experts (8) (got 9)"),
-    (dict(expert_type="relu"), ValueError,
-     "MoEConfig: expert_type must be one of ('swiglu', 'linear') (got 'relu')"),
-    (dict(impl="fast"), ValueError, "MoEConfig: impl must be one of ('auto', 'masked_scan', "
-     "'ragged_dot', 'all_gather', 'all_to_all', 'ragged_all_to_all') or a callable "
-     "(got 'fast')"),
-    (dict(gmm_impl="dense"), ValueError,
-     "MoEConfig: gmm_impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled') (got 'dense')"),
-    (dict(expert_type="linear"), ValueError,
-     "MoEConfig: d_ff must equal d_model (8) when expert_type is 'linear', whose experts map "
-     "D to F (got 12)"),
-    (dict(capacity_factor=0.0), ValueError,
-     "MoEConfig: capacity_factor must be finite and > 0 (got 0.0)"),
-    (dict(capacity_factor=float("inf")), ValueError,
-     "MoEConfig: capacity_factor must be finite and > 0 (got inf)"),
-    (dict(capacity_factor="1.25"), TypeError,
-     "MoEConfig: capacity_factor must be a real number (got '1.25')"),
-    (dict(chunk_size=0), ValueError, "MoEConfig: chunk_size must be None, an int >= 1 or a pair of ints >= 1 (got 0)"),
-    (dict(chunk_size=(8, 0)), ValueError,
-     "MoEConfig: chunk_size must be None, an int >= 1 or a pair of ints >= 1 (got (8, 0))"),
-    (dict(chunk_size=(8, 4, 2)), TypeError,
-     "MoEConfig: chunk_size must be None, an int >= 1 or a pair of ints >= 1 (got (8, 4, 2))"),
-    (dict(chunk_size="8"), TypeError,
-     "MoEConfig: chunk_size must be None, an int >= 1 or a pair of ints >= 1 (got '8')"),
-    (dict(num_shared_experts=-1), ValueError,
-     "MoEConfig: num_shared_experts must be >= 0 (got -1)"),
-    (dict(shared_d_ff=0), ValueError, "MoEConfig: shared_d_ff must be >= 1 (got 0)"),
-    (dict(normalize_top_k=1), TypeError, "MoEConfig: normalize_top_k must be a bool (got 1)"),
-    (dict(load_balance_coef=-0.1), ValueError,
-     "MoEConfig: load_balance_coef must be finite and >= 0 (got -0.1)"),
-    (dict(z_loss_coef=float("nan")), ValueError,
-     "MoEConfig: z_loss_coef must be finite and >= 0 (got nan)"),
-    (dict(param_dtype=jnp.int32), ValueError,
-     "MoEConfig: param_dtype must be a floating-point dtype (got <class "),
-    (dict(compute_dtype="float33"), TypeError,
-     "MoEConfig: compute_dtype must be a dtype (got 'float33')"),
-    (dict(expert_axis=""), TypeError, "MoEConfig: expert_axis must be a mesh axis name (a "
-     "non-empty str) or a non-empty tuple of distinct names (got '')"),
+  (dict(d_model=0), ValueError, "MoEConfig: d_model must be >= 1 (got 0)"),
+  (dict(d_ff=2.5), TypeError, "MoEConfig: d_ff must be an int (got 2.5)"),
+  (dict(num_experts=True), TypeError, "MoEConfig: num_experts must be an int (got True)"),
+  (dict(top_k=0), ValueError, "MoEConfig: top_k must be >= 1 (got 0)"),
+  (dict(top_k=9), ValueError, "MoEConfig: top_k must be <= num_experts (8) (got 9)"),
+  (
+    dict(expert_type="relu"),
+    ValueError,
+    "MoEConfig: expert_type must be one of ('swiglu', 'linear') (got 'relu')",
+  ),
+  (
+    dict(impl="fast"),
+    ValueError,
+    "MoEConfig: impl must be one of ('auto', 'masked_scan', "
+    "'ragged_dot', 'all_gather', 'all_to_all', 'ragged_all_to_all') or a callable "
+    "(got 'fast')",
+  ),
+  (
+    dict(gmm_impl="dense"),
+    ValueError,
+    "MoEConfig: gmm_impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled') (got 'dense')",
+  ),
+  (
+    dict(expert_type="linear"),
+    ValueError,
+    "MoEConfig: d_ff must equal d_model (8) when expert_type is 'linear', whose experts map "
+    "D to F (got 12)",
+  ),
+  (
+    dict(capacity_factor=0.0),
+    ValueError,
+    "MoEConfig: capacity_factor must be finite and > 0 (got 0.0)",
+  ),
+  (
+    dict(capacity_factor=float("inf")),
+    ValueError,
+    "MoEConfig: capacity_factor must be finite and > 0 (got inf)",
+  ),
+  (
+    dict(capacity_factor="1.25"),
+    TypeError,
+    "MoEConfig: capacity_factor must be a real number (got '1.25')",
+  ),
+  (
+    dict(chunk_size=0),
+    ValueError,
+    "MoEConfig: chunk_size must be None, an int >= 1 or a pair of ints >= 1 (got 0)",
+  ),
+  (
+    dict(chunk_size=(8, 0)),
+    ValueError,
+    "MoEConfig: chunk_size must be None, an int >= 1 or a pair of ints >= 1 (got (8, 0))",
+  ),
+  (
+    dict(chunk_size=(8, 4, 2)),
+    TypeError,
+    "MoEConfig: chunk_size must be None, an int >= 1 or a pair of ints >= 1 (got (8, 4, 2))",
+  ),
+  (
+    dict(chunk_size="8"),
+    TypeError,
+    "MoEConfig: chunk_size must be None, an int >= 1 or a pair of ints >= 1 (got '8')",
+  ),
+  (dict(num_shared_experts=-1), ValueError, "MoEConfig: num_shared_experts must be >= 0 (got -1)"),
+  (dict(shared_d_ff=0), ValueError, "MoEConfig: shared_d_ff must be >= 1 (got 0)"),
+  (dict(normalize_top_k=1), TypeError, "MoEConfig: normalize_top_k must be a bool (got 1)"),
+  (
+    dict(load_balance_coef=-0.1),
+    ValueError,
+    "MoEConfig: load_balance_coef must be finite and >= 0 (got -0.1)",
+  ),
+  (
+    dict(z_loss_coef=float("nan")),
+    ValueError,
+    "MoEConfig: z_loss_coef must be finite and >= 0 (got nan)",
+  ),
+  (
+    dict(param_dtype=jnp.int32),
+    ValueError,
+    "MoEConfig: param_dtype must be a floating-point dtype (got <class ",
+  ),
+  (
+    dict(compute_dtype="float33"),
+    TypeError,
+    "MoEConfig: compute_dtype must be a dtype (got 'float33')",
+  ),
+  (
+    dict(expert_axis=""),
+    TypeError,
+    "MoEConfig: expert_axis must be a mesh axis name (a "
+    "non-empty str) or a non-empty tuple of distinct names (got '')",
+  ),
 ]
 
 
-@pytest.mark.parametrize("overrides, error, message", BAD_CONFIGS,
-                         ids=[next(iter(c[0])) + f"={next(iter(c[0].values()))!r}"
-                              for c in BAD_CONFIGS])
+@pytest.mark.parametrize(
+  "overrides, error, message",
+  BAD_CONFIGS,
+  ids=[next(iter(c[0])) + f"={next(iter(c[0].values()))!r}" for c in BAD_CONFIGS],
+)
 def test_config_rejects(overrides, error, message):
   with pytest.raises(error, match="^" + re.escape(message)):
     config(**overrides)
 
 
 def test_config_is_frozen_hashable_and_canonical():
-  a = config(param_dtype=jnp.float32, compute_dtype="bfloat16", chunk_size=[8, 4],
-             capacity_factor=1)
-  b = config(param_dtype="float32", compute_dtype=jnp.bfloat16, chunk_size=(8, 4),
-             capacity_factor=1.0)
+  a = config(
+    param_dtype=jnp.float32, compute_dtype="bfloat16", chunk_size=[8, 4], capacity_factor=1
+  )
+  b = config(
+    param_dtype="float32", compute_dtype=jnp.bfloat16, chunk_size=(8, 4), capacity_factor=1.0
+  )
   assert a == b and hash(a) == hash(b)
   assert a.compute_dtype == jnp.dtype(jnp.bfloat16) and a.chunk_size == (8, 4)
   assert {a: 1}[b] == 1
@@ -169,18 +224,23 @@ def test_param_shapes_and_specs():
   cfg = config(shared_d_ff=5)
   shapes = ms.moe_param_shapes(cfg)
   assert shapes.router_DE.shape == (D, E) and shapes.router_DE.dtype == jnp.float32
-  assert shapes.experts == ms.SwiGLU(jax.ShapeDtypeStruct((E, D, F), jnp.float32),
-                                     jax.ShapeDtypeStruct((E, D, F), jnp.float32),
-                                     jax.ShapeDtypeStruct((E, F, D), jnp.float32))
+  assert shapes.experts == ms.SwiGLU(
+    jax.ShapeDtypeStruct((E, D, F), jnp.float32),
+    jax.ShapeDtypeStruct((E, D, F), jnp.float32),
+    jax.ShapeDtypeStruct((E, F, D), jnp.float32),
+  )
   assert shapes.shared.gate_EDF.shape == (2, D, 5) and shapes.shared.down_EFD.shape == (2, 5, D)
   # One entry per array dimension (Flax's partition metadata needs them).
   split, whole = P("expert", None, None), P(None, None, None)
   assert ms.moe_param_specs(cfg) == ms.MoEParams(
-      router_DE=P(None, None), experts=ms.SwiGLU(split, split, split),
-      shared=ms.SwiGLU(whole, whole, whole))
+    router_DE=P(None, None),
+    experts=ms.SwiGLU(split, split, split),
+    shared=ms.SwiGLU(whole, whole, whole),
+  )
   lin = config(expert_type="linear", d_ff=D, expert_axis="ep", num_shared_experts=0)
-  assert ms.moe_param_specs(lin) == ms.MoEParams(P(None, None), ms.Linear(P("ep", None, None)),
-                                                 None)
+  assert ms.moe_param_specs(lin) == ms.MoEParams(
+    P(None, None), ms.Linear(P("ep", None, None)), None
+  )
   assert ms.moe_param_shapes(lin).experts.w_EDF.shape == (E, D, D)
 
 
@@ -190,8 +250,7 @@ def test_init_shapes_dtypes_and_scale():
   want = ms.moe_param_shapes(cfg)
   assert jax.tree.structure(params) == jax.tree.structure(want)
   scaled = []
-  for (path, leaf), s in zip(jax.tree_util.tree_leaves_with_path(params),
-                             jax.tree.leaves(want)):
+  for (path, leaf), s in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want)):
     name = jax.tree_util.keystr(path)
     assert leaf.shape == s.shape and leaf.dtype == s.dtype == jnp.float32, name
     scaled.append(np.asarray(leaf, np.float64).ravel() * math.sqrt(s.shape[-2]))
@@ -203,8 +262,8 @@ def test_init_shapes_dtypes_and_scale():
   assert len(set(firsts)) == len(firsts), "every leaf must get its own key"
   # param_dtype applies to the experts, never to the router (traced only, not compiled).
   bf16 = jax.eval_shape(
-      functools.partial(ms.init_moe_params, cfg=config(param_dtype="bfloat16")),
-      jax.random.key(0))
+    functools.partial(ms.init_moe_params, cfg=config(param_dtype="bfloat16")), jax.random.key(0)
+  )
   assert bf16.router_DE.dtype == jnp.float32
   assert {a.dtype for a in jax.tree.leaves((bf16.experts, bf16.shared))} == {jnp.dtype("bfloat16")}
 
@@ -213,8 +272,9 @@ def test_init_on_mesh_is_placed_and_equals_unplaced(mesh):
   cfg = config()
   params = ms.init_moe_params(jax.random.key(1), cfg, mesh)
   specs = ms.moe_param_specs(cfg)
-  for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
-                                jax.tree.leaves(specs)):
+  for (path, leaf), spec in zip(
+    jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(specs)
+  ):
     name = jax.tree_util.keystr(path)
     assert leaf.sharding.mesh == mesh and leaf.sharding.spec == spec, name
     per_device = {tuple(s.data.shape) for s in leaf.addressable_shards}
@@ -227,11 +287,17 @@ def test_init_on_mesh_is_placed_and_equals_unplaced(mesh):
 def test_init_errors(mesh):
   with pytest.raises(TypeError, match=r"^init_moe_params: cfg must be a MoEConfig \(got dict\)"):
     ms.init_moe_params(jax.random.key(0), dict(d_model=D))
-  with pytest.raises(ValueError, match=r"^init_moe_params: mesh must have the expert axis "
-                     r"'ep' \(got axes \('expert', 'data'\)\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"^init_moe_params: mesh must have the expert axis "
+    r"'ep' \(got axes \('expert', 'data'\)\)",
+  ):
     ms.init_moe_params(jax.random.key(0), config(expert_axis="ep"), mesh)
-  with pytest.raises(ValueError, match=r"^init_moe_params: num_experts \(6\) must be divisible "
-                     r"by the 'expert' axis size \(4\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"^init_moe_params: num_experts \(6\) must be divisible "
+    r"by the 'expert' axis size \(4\)",
+  ):
     ms.init_moe_params(jax.random.key(0), config(num_experts=6), mesh)
   with pytest.raises(TypeError, match=r"^init_moe_params: mesh must be a jax.sharding.Mesh"):
     ms.init_moe_params(jax.random.key(0), config(), mesh="mesh")
@@ -252,8 +318,12 @@ def test_layer_equals_hand_composition():
     logits_TE = x_TD @ params.router_DE
     r = ms.top_k_routing(logits_TE, K, normalize=normalize)
     y_TD = ms.moe_masked_scan(x_TD, params.experts, r.experts_TK, r.weights_TK)
-    return (y_TD.reshape(B, S, D), ms.load_balancing_loss(r), ms.router_z_loss(logits_TE),
-            ms.expert_load(r.experts_TK, E))
+    return (
+      y_TD.reshape(B, S, D),
+      ms.load_balancing_loss(r),
+      ms.router_z_loss(logits_TE),
+      ms.expert_load(r.experts_TK, E),
+    )
 
   want_y, lb, z, load = by_hand(params, x_BSD, True)
   assert y_BSD.shape == x_BSD.shape and y_BSD.dtype == x_BSD.dtype
@@ -290,28 +360,40 @@ def test_shared_experts_are_added():
 CASES = [("swiglu", None, "auto"), ("linear", 1.0, "ragged_dot")]
 
 
-@pytest.mark.parametrize("ffn, capacity_factor, gmm_impl", CASES,
-                         ids=[f"{f}-cap{c}-gmm_{g}" for f, c, g in CASES])
+@pytest.mark.parametrize(
+  "ffn, capacity_factor, gmm_impl", CASES, ids=[f"{f}-cap{c}-gmm_{g}" for f, c, g in CASES]
+)
 def test_impls_agree_on_mesh(ffn, capacity_factor, gmm_impl, mesh):
   # Reference: the masked scan on one device. Every impl runs on the 4 x 2 mesh with x split
   # over "data" only, so the output must come back to that sharding.
-  cfg = config(expert_type=ffn, d_ff=F if ffn == "swiglu" else D, gmm_impl=gmm_impl,
-               capacity_factor=capacity_factor, chunk_size=1)
+  cfg = config(
+    expert_type=ffn,
+    d_ff=F if ffn == "swiglu" else D,
+    gmm_impl=gmm_impl,
+    capacity_factor=capacity_factor,
+    chunk_size=1,
+  )
   x_BSD, ct_BSD = tokens(5), tokens(6)
   want_y, want_aux, want_grads = run_and_grad(
-      ms.init_moe_params(jax.random.key(5), cfg), x_BSD, ct_BSD,
-      dataclasses.replace(cfg, impl="masked_scan"))
+    ms.init_moe_params(jax.random.key(5), cfg),
+    x_BSD,
+    ct_BSD,
+    dataclasses.replace(cfg, impl="masked_scan"),
+  )
   if capacity_factor is not None:
     cap = cfg.capacity(B * S)
     assert int(want_aux["dropped_items"]) > 0
     assert int(want_aux["dropped_items"]) + int(want_aux["expert_load"].sum()) == B * S * K
     assert int(want_aux["expert_load"].max()) == cap
-  params = jax.device_put(ms.init_moe_params(jax.random.key(5), cfg),
-                          jax.tree.map(lambda s: NamedSharding(mesh, s), ms.moe_param_specs(cfg)))
+  params = jax.device_put(
+    ms.init_moe_params(jax.random.key(5), cfg),
+    jax.tree.map(lambda s: NamedSharding(mesh, s), ms.moe_param_specs(cfg)),
+  )
   x_sharded = put(x_BSD, mesh, P(ms.DATA))
   for impl in IMPLS:
-    y, aux, grads = run_and_grad(params, x_sharded, put(ct_BSD, mesh, P(ms.DATA)),
-                                 dataclasses.replace(cfg, impl=impl), mesh)
+    y, aux, grads = run_and_grad(
+      params, x_sharded, put(ct_BSD, mesh, P(ms.DATA)), dataclasses.replace(cfg, impl=impl), mesh
+    )
     assert y.sharding.is_equivalent_to(x_sharded.sharding, y.ndim), impl
     assert_close(y, want_y, jnp.float32, f"{impl} y")
     assert_tree_close(grads, want_grads, jnp.float32, f"{impl} grads")
@@ -343,8 +425,9 @@ def test_grad_with_params_not_on_the_explicit_mesh(mesh):
   # the router gradient then contracts the split token axis with a placed array.
   cfg = config(impl="all_to_all", num_shared_experts=0)
   params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ms.moe_param_shapes(cfg))
-  jax.eval_shape(jax.grad(lambda p, x: jnp.sum(ms.moe_layer(p, x, cfg, mesh)[0])),
-                 params, tokens(0))
+  jax.eval_shape(
+    jax.grad(lambda p, x: jnp.sum(ms.moe_layer(p, x, cfg, mesh)[0])), params, tokens(0)
+  )
 
 
 def test_x_not_on_the_explicit_mesh_with_fewer_batch_rows_than_devices():
@@ -352,9 +435,11 @@ def test_x_not_on_the_explicit_mesh_with_fewer_batch_rows_than_devices():
   # [B=4, S=4, D] is told its sharding (B=4 cannot carry an 8-way split).
   mesh = jax.make_mesh((2, 4), (ms.DATA, ms.EXPERT))  # Explicit
   cfg = config(impl="all_to_all")
-  params = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(
-      s.shape, s.dtype, sharding=NamedSharding(mesh, spec)), ms.moe_param_shapes(cfg),
-      ms.moe_param_specs(cfg))
+  params = jax.tree.map(
+    lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
+    ms.moe_param_shapes(cfg),
+    ms.moe_param_specs(cfg),
+  )
   jax.eval_shape(lambda p, x: ms.moe_layer(p, x, cfg, mesh), params, tokens(0, (4, 4, D)))
 
 
@@ -371,21 +456,23 @@ def test_scan_over_stacked_layers(mesh):
     def body(x_BSD, params):
       y_BSD, aux = ms.moe_layer(params, x_BSD, cfg, mesh)
       return x_BSD + y_BSD, aux["aux_loss"]
+
     x_BSD, aux_L = jax.lax.scan(body, x_BSD, stacked)
-    return jnp.sum(x_BSD ** 2) + jnp.sum(aux_L)
+    return jnp.sum(x_BSD**2) + jnp.sum(aux_L)
 
   def unrolled(layers, x_BSD):
     aux = 0.0
     for params in layers:
       y_BSD, a = ms.moe_layer(params, x_BSD, dataclasses.replace(cfg, impl="masked_scan"))
       x_BSD, aux = x_BSD + y_BSD, aux + a["aux_loss"]
-    return jnp.sum(x_BSD ** 2) + aux
+    return jnp.sum(x_BSD**2) + aux
 
   grad = functools.partial(jax.value_and_grad, argnums=(0, 1))
   fast = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
   loss, (dstacked, dx) = fast(grad(scanned))(stacked, x_BSD)
   want_loss, (dlayers, want_dx) = fast(grad(unrolled))(
-      [jax.device_get(p) for p in layers], jax.device_get(x_BSD))
+    [jax.device_get(p) for p in layers], jax.device_get(x_BSD)
+  )
   assert_close(loss, want_loss, jnp.float32)
   assert_close(dx, want_dx, jnp.float32)
   assert_tree_close(dstacked, jax.tree.map(lambda *a: jnp.stack(a), *dlayers), jnp.float32)
@@ -400,15 +487,18 @@ def test_bf16_compute_dtype():
   x_BSD = tokens(9, dtype=jnp.bfloat16)
   want, _ = run(params, x_BSD.astype(jnp.float32), cfg)
   # float32 tokens and parameters, bfloat16 matmuls: a float32 output.
-  got, _ = run(params, x_BSD.astype(jnp.float32),
-               dataclasses.replace(cfg, compute_dtype=jnp.bfloat16))
+  got, _ = run(
+    params, x_BSD.astype(jnp.float32), dataclasses.replace(cfg, compute_dtype=jnp.bfloat16)
+  )
   assert got.dtype == jnp.float32
   assert_close(got, want, jnp.bfloat16)
   # bfloat16 tokens and expert parameters: a bfloat16 output. The router stays float32.
   bf16 = dataclasses.replace(cfg, param_dtype=jnp.bfloat16)
-  p16 = dataclasses.replace(params, experts=jax.tree.map(lambda a: a.astype(jnp.bfloat16),
-                                                         params.experts),
-                            shared=jax.tree.map(lambda a: a.astype(jnp.bfloat16), params.shared))
+  p16 = dataclasses.replace(
+    params,
+    experts=jax.tree.map(lambda a: a.astype(jnp.bfloat16), params.experts),
+    shared=jax.tree.map(lambda a: a.astype(jnp.bfloat16), params.shared),
+  )
   got, _ = run(p16, x_BSD, bf16)
   assert got.dtype == jnp.bfloat16
   assert_close(got, want, jnp.bfloat16)
@@ -460,8 +550,16 @@ def test_capacity_drops_later_tokens_through_the_layer(impl):
   # 6 tokens, K = 1, E = 4, capacity ceil(1.0 * 6 * 1 / 4) = 2: expert 0 takes tokens 0 and
   # 1; tokens 3 and 5 (its 3rd and 4th) are dropped and come out exactly zero.
   route_T = np.array([0, 0, 1, 0, 2, 0])
-  cfg = ms.MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=1, expert_type="linear",
-                     capacity_factor=1.0, impl=impl, gmm_impl="ragged_dot")
+  cfg = ms.MoEConfig(
+    d_model=4,
+    d_ff=4,
+    num_experts=4,
+    top_k=1,
+    expert_type="linear",
+    capacity_factor=1.0,
+    impl=impl,
+    gmm_impl="ragged_dot",
+  )
   assert cfg.capacity(6) == 2
   w_EDF = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4, 4)) / 2, jnp.float32)
   params = ms.MoEParams(router_DE=jnp.eye(4), experts=ms.Linear(w_EDF), shared=None)
@@ -503,44 +601,90 @@ def test_layer_input_errors(mesh):
 
   call()  # the good call traces
   bad_experts = dataclasses.replace(
-      params.experts, down_EFD=jax.ShapeDtypeStruct((E, F + 1, D), jnp.float32))
+    params.experts, down_EFD=jax.ShapeDtypeStruct((E, F + 1, D), jnp.float32)
+  )
   cases = [
-      (dict(x_BSD=jax.ShapeDtypeStruct((B * S, D), jnp.float32)), ValueError,
-       "moe_layer: x_BSD must have shape [B, S, d_model=8] (got shape (24, 8))"),
-      (dict(x_BSD=jax.ShapeDtypeStruct((B, S, D + 1), jnp.float32)), ValueError,
-       "moe_layer: x_BSD must have shape [B, S, d_model=8] (got shape (8, 3, 9))"),
-      (dict(x_BSD=jax.ShapeDtypeStruct((B, S, D), jnp.int32)), TypeError,
-       "moe_layer: x_BSD must have a floating-point dtype (got int32)"),
-      (dict(params=dataclasses.replace(params, experts=bad_experts)), ValueError,
-       "moe_layer: params.experts.down_EFD must have shape (8, 12, 8) for this MoEConfig "
-       "(got (8, 13, 8))"),
-      (dict(params=dataclasses.replace(
-          params, router_DE=jax.ShapeDtypeStruct((D, E // 2), jnp.float32))), ValueError,
-       "moe_layer: params.router_DE must have shape (8, 8) for this MoEConfig (got (8, 4))"),
-      (dict(params=dataclasses.replace(params, shared=None)), ValueError,
-       "moe_layer: params must have the leaves of this MoEConfig (expert_type='swiglu', "
-       "num_shared_experts=2): missing ['params.shared.gate_EDF', 'params.shared.up_EDF', "
-       "'params.shared.down_EFD'], unexpected []"),
-      (dict(params=ms.moe_param_shapes(config(expert_type="linear", d_ff=D))), ValueError,
-       "moe_layer: params must have the leaves of this MoEConfig (expert_type='swiglu', "
-       "num_shared_experts=2): missing ['params.experts.gate_EDF', 'params.experts.up_EDF', "
-       "'params.experts.down_EFD'], unexpected ['params.experts.w_EDF']"),
-      (dict(params=dataclasses.replace(params, experts=dataclasses.replace(
-          params.experts, up_EDF=jax.ShapeDtypeStruct((E, D, F), jnp.int32)))), TypeError,
-       "moe_layer: params.experts.up_EDF must have a floating-point dtype (got int32)"),
-      (dict(params={"router_DE": params.router_DE}), TypeError,
-       "moe_layer: params must be a MoEParams from init_moe_params (got dict)"),
-      (dict(cfg=dict(d_model=D)), TypeError, "moe_layer: cfg must be a MoEConfig (got dict)"),
-      (dict(cfg=dataclasses.replace(cfg, impl="all_to_all")), ValueError,
-       "moe_layer: impl 'all_to_all' needs a mesh with the expert axis 'expert' "
-       "(got mesh=None, and no mesh in scope with that axis)"),
-      (dict(cfg=dataclasses.replace(cfg, impl="all_gather", expert_axis="ep"), mesh=mesh),
-       ValueError, "moe_layer: mesh must have the expert axis 'ep' (got axes ('expert', "
-       "'data'))"),
-      (dict(mesh=mesh, cfg=config(num_experts=6)), ValueError,
-       "moe_layer: num_experts (6) must be divisible by the 'expert' axis size (4)"),
-      (dict(mesh="mesh"), TypeError, "moe_layer: mesh must be a jax.sharding.Mesh, an "
-       "AbstractMesh or None (got str)"),
+    (
+      dict(x_BSD=jax.ShapeDtypeStruct((B * S, D), jnp.float32)),
+      ValueError,
+      "moe_layer: x_BSD must have shape [B, S, d_model=8] (got shape (24, 8))",
+    ),
+    (
+      dict(x_BSD=jax.ShapeDtypeStruct((B, S, D + 1), jnp.float32)),
+      ValueError,
+      "moe_layer: x_BSD must have shape [B, S, d_model=8] (got shape (8, 3, 9))",
+    ),
+    (
+      dict(x_BSD=jax.ShapeDtypeStruct((B, S, D), jnp.int32)),
+      TypeError,
+      "moe_layer: x_BSD must have a floating-point dtype (got int32)",
+    ),
+    (
+      dict(params=dataclasses.replace(params, experts=bad_experts)),
+      ValueError,
+      "moe_layer: params.experts.down_EFD must have shape (8, 12, 8) for this MoEConfig "
+      "(got (8, 13, 8))",
+    ),
+    (
+      dict(
+        params=dataclasses.replace(params, router_DE=jax.ShapeDtypeStruct((D, E // 2), jnp.float32))
+      ),
+      ValueError,
+      "moe_layer: params.router_DE must have shape (8, 8) for this MoEConfig (got (8, 4))",
+    ),
+    (
+      dict(params=dataclasses.replace(params, shared=None)),
+      ValueError,
+      "moe_layer: params must have the leaves of this MoEConfig (expert_type='swiglu', "
+      "num_shared_experts=2): missing ['params.shared.gate_EDF', 'params.shared.up_EDF', "
+      "'params.shared.down_EFD'], unexpected []",
+    ),
+    (
+      dict(params=ms.moe_param_shapes(config(expert_type="linear", d_ff=D))),
+      ValueError,
+      "moe_layer: params must have the leaves of this MoEConfig (expert_type='swiglu', "
+      "num_shared_experts=2): missing ['params.experts.gate_EDF', 'params.experts.up_EDF', "
+      "'params.experts.down_EFD'], unexpected ['params.experts.w_EDF']",
+    ),
+    (
+      dict(
+        params=dataclasses.replace(
+          params,
+          experts=dataclasses.replace(
+            params.experts, up_EDF=jax.ShapeDtypeStruct((E, D, F), jnp.int32)
+          ),
+        )
+      ),
+      TypeError,
+      "moe_layer: params.experts.up_EDF must have a floating-point dtype (got int32)",
+    ),
+    (
+      dict(params={"router_DE": params.router_DE}),
+      TypeError,
+      "moe_layer: params must be a MoEParams from init_moe_params (got dict)",
+    ),
+    (dict(cfg=dict(d_model=D)), TypeError, "moe_layer: cfg must be a MoEConfig (got dict)"),
+    (
+      dict(cfg=dataclasses.replace(cfg, impl="all_to_all")),
+      ValueError,
+      "moe_layer: impl 'all_to_all' needs a mesh with the expert axis 'expert' "
+      "(got mesh=None, and no mesh in scope with that axis)",
+    ),
+    (
+      dict(cfg=dataclasses.replace(cfg, impl="all_gather", expert_axis="ep"), mesh=mesh),
+      ValueError,
+      "moe_layer: mesh must have the expert axis 'ep' (got axes ('expert', 'data'))",
+    ),
+    (
+      dict(mesh=mesh, cfg=config(num_experts=6)),
+      ValueError,
+      "moe_layer: num_experts (6) must be divisible by the 'expert' axis size (4)",
+    ),
+    (
+      dict(mesh="mesh"),
+      TypeError,
+      "moe_layer: mesh must be a jax.sharding.Mesh, an AbstractMesh or None (got str)",
+    ),
   ]
   for kwargs, error, message in cases:
     if "cfg" in kwargs and isinstance(kwargs["cfg"], ms.MoEConfig) and "params" not in kwargs:

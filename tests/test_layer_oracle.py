@@ -23,14 +23,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import layer_oracle
 import numpy as np
 import pytest
+from cases import FAST_COMPILE, assert_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import layer_oracle
 import moe_shard as ms
-from cases import FAST_COMPILE, TOL, assert_close
 
 B, S, D, F, E, K = 8, 2, 8, 16, 8, 2  # T = 16 tokens: 2 per device on 8 devices
 SHARED_F = 8
@@ -44,8 +44,9 @@ SHARED_F = 8
 
 
 def _mesh(shape, names, kind):
-  return jax.make_mesh(shape, names, axis_types=(kind,) * 2,
-                       devices=jax.devices()[:math.prod(shape)])
+  return jax.make_mesh(
+    shape, names, axis_types=(kind,) * 2, devices=jax.devices()[: math.prod(shape)]
+  )
 
 
 EXPLICIT, AUTO = AxisType.Explicit, AxisType.Auto
@@ -53,58 +54,100 @@ DE, ED = ("data", "expert"), ("expert", "data")
 # name: (MoEConfig overrides, mesh (shape, axis names, axis type) or None, dtype of x and
 # of the expert weights)
 CASES = {
-    # One device: the local implementations.
-    "masked_scan": (dict(impl="masked_scan"), None, "float32"),
-    "ragged_dot-tiled": (dict(impl="ragged_dot", gmm_impl="tiled"), None, "float32"),
-    "ragged_dot-ragged_dot": (dict(impl="ragged_dot", gmm_impl="ragged_dot"), None,
-                              "float32"),
-    # Meshes. chunk_size=1 and (2, 1): overflow rounds run (2 tokens, 4 items per device).
-    # The tiled grouped matmul compiles ~3x slower than lax.ragged_dot: each implementation
-    # runs it in one or two cases.
-    "all_to_all-tiled-2x4-data_expert-explicit": (
-        dict(impl="all_to_all", gmm_impl="tiled", chunk_size=1), ((2, 4), DE, EXPLICIT),
-        "float32"),
-    "all_to_all-ragged_dot-2x2-expert_data-auto": (
-        dict(impl="all_to_all", gmm_impl="ragged_dot", chunk_size=(2, 1)),
-        ((2, 2), ED, AUTO), "float32"),
-    "all_to_all-ragged_dot-2x4-expert_data-explicit": (
-        dict(impl="all_to_all", gmm_impl="ragged_dot"), ((2, 4), ED, EXPLICIT), "float32"),
-    "all_gather-tiled-2x2-data_expert-explicit": (
-        dict(impl="all_gather", gmm_impl="tiled"), ((2, 2), DE, EXPLICIT), "float32"),
-    "all_gather-ragged_dot-2x4-expert_data-auto": (
-        dict(impl="all_gather", gmm_impl="ragged_dot"), ((2, 4), ED, AUTO), "float32"),
-    "ragged_dot-ragged_dot-2x4-data_expert-auto": (
-        dict(impl="ragged_dot", gmm_impl="ragged_dot"), ((2, 4), DE, AUTO), "float32"),
-    # Capacity 0.5: C = ceil(0.5 * 16 * 2 / 8) = 2 items per expert, half the items drop.
-    "capacity-masked_scan": (dict(impl="masked_scan", capacity_factor=0.5), None, "float32"),
-    "capacity-all_to_all-ragged_dot-2x4-data_expert-explicit": (
-        dict(impl="all_to_all", gmm_impl="ragged_dot", capacity_factor=0.5,
-             chunk_size=(2, 1)),
-        ((2, 4), DE, EXPLICIT), "float32"),
-    "capacity-all_gather-ragged_dot-2x2-expert_data-auto": (
-        dict(impl="all_gather", gmm_impl="ragged_dot", capacity_factor=0.5),
-        ((2, 2), ED, AUTO), "float32"),
-    # Linear experts, the router's probabilities as weights, no shared experts.
-    "linear-all_to_all-tiled-2x2-expert_data-explicit": (
-        dict(impl="all_to_all", gmm_impl="tiled", expert_type="linear", d_ff=D,
-             normalize_top_k=False, num_shared_experts=0, chunk_size=1),
-        ((2, 2), ED, EXPLICIT), "float32"),
-    # float32 tokens and weights, bfloat16 matmuls (compute_dtype): bfloat16 tolerance.
-    "bf16_compute-all_gather-tiled-2x2-data_expert-auto": (
-        dict(impl="all_gather", gmm_impl="tiled", compute_dtype="bfloat16"),
-        ((2, 2), DE, AUTO), "float32"),
-    # bfloat16 tokens and expert weights.
-    "bf16-ragged_dot-tiled": (dict(impl="ragged_dot", gmm_impl="tiled",
-                                   param_dtype="bfloat16"), None, "bfloat16"),
-    "bf16-all_to_all-ragged_dot-2x4-data_expert-explicit": (
-        dict(impl="all_to_all", gmm_impl="ragged_dot", param_dtype="bfloat16",
-             chunk_size=1), ((2, 4), DE, EXPLICIT), "bfloat16"),
+  # One device: the local implementations.
+  "masked_scan": (dict(impl="masked_scan"), None, "float32"),
+  "ragged_dot-tiled": (dict(impl="ragged_dot", gmm_impl="tiled"), None, "float32"),
+  "ragged_dot-ragged_dot": (dict(impl="ragged_dot", gmm_impl="ragged_dot"), None, "float32"),
+  # Meshes. chunk_size=1 and (2, 1): overflow rounds run (2 tokens, 4 items per device).
+  # The tiled grouped matmul compiles ~3x slower than lax.ragged_dot: each implementation
+  # runs it in one or two cases.
+  "all_to_all-tiled-2x4-data_expert-explicit": (
+    dict(impl="all_to_all", gmm_impl="tiled", chunk_size=1),
+    ((2, 4), DE, EXPLICIT),
+    "float32",
+  ),
+  "all_to_all-ragged_dot-2x2-expert_data-auto": (
+    dict(impl="all_to_all", gmm_impl="ragged_dot", chunk_size=(2, 1)),
+    ((2, 2), ED, AUTO),
+    "float32",
+  ),
+  "all_to_all-ragged_dot-2x4-expert_data-explicit": (
+    dict(impl="all_to_all", gmm_impl="ragged_dot"),
+    ((2, 4), ED, EXPLICIT),
+    "float32",
+  ),
+  "all_gather-tiled-2x2-data_expert-explicit": (
+    dict(impl="all_gather", gmm_impl="tiled"),
+    ((2, 2), DE, EXPLICIT),
+    "float32",
+  ),
+  "all_gather-ragged_dot-2x4-expert_data-auto": (
+    dict(impl="all_gather", gmm_impl="ragged_dot"),
+    ((2, 4), ED, AUTO),
+    "float32",
+  ),
+  "ragged_dot-ragged_dot-2x4-data_expert-auto": (
+    dict(impl="ragged_dot", gmm_impl="ragged_dot"),
+    ((2, 4), DE, AUTO),
+    "float32",
+  ),
+  # Capacity 0.5: C = ceil(0.5 * 16 * 2 / 8) = 2 items per expert, half the items drop.
+  "capacity-masked_scan": (dict(impl="masked_scan", capacity_factor=0.5), None, "float32"),
+  "capacity-all_to_all-ragged_dot-2x4-data_expert-explicit": (
+    dict(impl="all_to_all", gmm_impl="ragged_dot", capacity_factor=0.5, chunk_size=(2, 1)),
+    ((2, 4), DE, EXPLICIT),
+    "float32",
+  ),
+  "capacity-all_gather-ragged_dot-2x2-expert_data-auto": (
+    dict(impl="all_gather", gmm_impl="ragged_dot", capacity_factor=0.5),
+    ((2, 2), ED, AUTO),
+    "float32",
+  ),
+  # Linear experts, the router's probabilities as weights, no shared experts.
+  "linear-all_to_all-tiled-2x2-expert_data-explicit": (
+    dict(
+      impl="all_to_all",
+      gmm_impl="tiled",
+      expert_type="linear",
+      d_ff=D,
+      normalize_top_k=False,
+      num_shared_experts=0,
+      chunk_size=1,
+    ),
+    ((2, 2), ED, EXPLICIT),
+    "float32",
+  ),
+  # float32 tokens and weights, bfloat16 matmuls (compute_dtype): bfloat16 tolerance.
+  "bf16_compute-all_gather-tiled-2x2-data_expert-auto": (
+    dict(impl="all_gather", gmm_impl="tiled", compute_dtype="bfloat16"),
+    ((2, 2), DE, AUTO),
+    "float32",
+  ),
+  # bfloat16 tokens and expert weights.
+  "bf16-ragged_dot-tiled": (
+    dict(impl="ragged_dot", gmm_impl="tiled", param_dtype="bfloat16"),
+    None,
+    "bfloat16",
+  ),
+  "bf16-all_to_all-ragged_dot-2x4-data_expert-explicit": (
+    dict(impl="all_to_all", gmm_impl="ragged_dot", param_dtype="bfloat16", chunk_size=1),
+    ((2, 4), DE, EXPLICIT),
+    "bfloat16",
+  ),
 }
 
 
 def config(**overrides):
-  base = dict(d_model=D, d_ff=F, num_experts=E, top_k=K, num_shared_experts=1,
-              shared_d_ff=SHARED_F, load_balance_coef=0.1, z_loss_coef=0.01)
+  base = dict(
+    d_model=D,
+    d_ff=F,
+    num_experts=E,
+    top_k=K,
+    num_shared_experts=1,
+    shared_d_ff=SHARED_F,
+    load_balance_coef=0.1,
+    z_loss_coef=0.01,
+  )
   return ms.MoEConfig(**{**base, **overrides})
 
 
@@ -124,8 +167,7 @@ def _draw(cfg, dtype, seed):
     H = cfg.num_shared_experts
     shared = ms.SwiGLU(normal(H, D, SHARED_F), normal(H, D, SHARED_F), normal(H, SHARED_F, D))
   # A router twice the usual scale: decisive routing, so that few seeds have near-ties.
-  params = ms.MoEParams(router_DE=2 * normal(D, E, dt="float32"), experts=experts,
-                        shared=shared)
+  params = ms.MoEParams(router_DE=2 * normal(D, E, dt="float32"), experts=experts, shared=shared)
   x = np.asarray(jnp.asarray(rng.normal(size=(B, S, D)), dtype))
   ct = np.asarray(jnp.asarray(jnp.asarray(rng.normal(size=(B, S, D)), dtype), jnp.float32))
   return params, x, ct
@@ -154,8 +196,14 @@ def reference(oracle_key):
   return params, x, ct, y, aux, dparams, dx
 
 
-ORACLE_FIELDS = ("expert_type", "d_ff", "normalize_top_k", "num_shared_experts",
-                 "capacity_factor", "param_dtype")
+ORACLE_FIELDS = (
+  "expert_type",
+  "d_ff",
+  "normalize_top_k",
+  "num_shared_experts",
+  "capacity_factor",
+  "param_dtype",
+)
 
 
 def _oracle_key(overrides, dtype):
@@ -170,8 +218,7 @@ def run_and_grad(params, x_BSD, ct_BSD, cfg, mesh=None):
     y, aux = ms.moe_layer(params, x_BSD, cfg, mesh)
     return jnp.sum(y.astype(jnp.float32) * ct_BSD) + aux["aux_loss"], (y, aux)
 
-  (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      params, x_BSD)
+  (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BSD)
   return y, aux, grads
 
 
@@ -180,11 +227,12 @@ def _place(params, x_BSD, cfg, mesh):
 
   x is placed (batch over "data") on Auto meshes and left to the layer on Explicit ones.
   """
-  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   params = ms.MoEParams(
-      router_DE=put(params.router_DE, P()),
-      experts=jax.tree.map(lambda a: put(a, P(cfg.expert_axis)), params.experts),
-      shared=jax.tree.map(lambda a: put(a, P()), params.shared))
+    router_DE=put(params.router_DE, P()),
+    experts=jax.tree.map(lambda a: put(a, P(cfg.expert_axis)), params.experts),
+    shared=jax.tree.map(lambda a: put(a, P()), params.shared),
+  )
   if mesh.axis_types[0] == AxisType.Auto:
     x_BSD = put(x_BSD, P("data"))
   return params, x_BSD
@@ -199,8 +247,11 @@ def expected_rounds(experts_TK, cfg, mesh):
   """
   n_dev, N = mesh.size, mesh.shape[cfg.expert_axis]
   ids_SI = np.asarray(experts_TK).reshape(n_dev, -1)
-  busiest = max(int(np.sum((ids_SI[s] >= 0) & (ids_SI[s] // (E // N) == n)))
-                for s in range(n_dev) for n in range(N))
+  busiest = max(
+    int(np.sum((ids_SI[s] >= 0) & (ids_SI[s] // (E // N) == n)))
+    for s in range(n_dev)
+    for n in range(N)
+  )
   chunk = cfg.chunk_size
   if chunk is None:  # the mean queue T_dev*K/N + 4 sqrt of it, up to 8s; a quarter of it
     mean = math.ceil(ids_SI.shape[1] / N)
@@ -215,8 +266,7 @@ def expected_rounds(experts_TK, cfg, mesh):
 def test_layer_matches_float64_model(name):
   overrides, mesh_spec, dtype = CASES[name]
   cfg = config(**overrides)
-  params, x, ct, want_y, want_aux, want_dparams, want_dx = reference(
-      _oracle_key(overrides, dtype))
+  params, x, ct, want_y, want_aux, want_dparams, want_dx = reference(_oracle_key(overrides, dtype))
   mesh = _mesh(*mesh_spec) if mesh_spec else None
   params, x_in = jax.tree.map(jnp.asarray, params), jnp.asarray(x)
   if mesh is not None:
@@ -243,16 +293,20 @@ def test_layer_matches_float64_model(name):
     close(aux[what], want_aux[what], what, jnp.float32)
   for what in ("expert_load", "dropped_items", "dropped_tokens"):
     equal(aux[what], want_aux[what], what)
-  equal(aux["rounds"], expected_rounds(want_aux["experts_TK"], cfg, mesh)
-        if cfg.impl == "all_to_all" else 1, "rounds")
+  equal(
+    aux["rounds"],
+    expected_rounds(want_aux["experts_TK"], cfg, mesh) if cfg.impl == "all_to_all" else 1,
+    "rounds",
+  )
   close(dx, want_dx, "dx")
   got_leaves = jax.tree_util.tree_leaves_with_path(dparams)
   want_leaves = jax.tree_util.tree_leaves_with_path(want_dparams)
   assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves]
   for (path, got), (_, want) in zip(got_leaves, want_leaves):
     close(got, want, f"d{jax.tree_util.keystr(path)}")
-  assert not wrong, (f"{name}: wrong {[w for w, _ in wrong]}\n" +
-                     "\n".join(message for _, message in wrong))
+  assert not wrong, f"{name}: wrong {[w for w, _ in wrong]}\n" + "\n".join(
+    message for _, message in wrong
+  )
 
 
 def test_cases_are_what_they_claim():

@@ -12,21 +12,29 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
+from cases import (
+  ROUTINGS,
+  assert_close,
+  assert_tree_close,
+  cotangent,
+  feasible,
+  make_case,
+  outputs,
+  outputs_and_grads,
+)
 
 import moe_shard as ms
-import oracle
-from cases import (ROUTINGS, assert_close, assert_tree_close, cotangent, feasible, make_case,
-                   outputs, outputs_and_grads)
 
 # The same callables every time, so `outputs_and_grads` reuses its compiled functions.
 IMPLS = {
-    "masked_scan": ms.moe_masked_scan,
-    "ragged_dot": ms.moe_ragged_dot,  # gmm_impl="auto": the tiled kernel on CPU
+  "masked_scan": ms.moe_masked_scan,
+  "ragged_dot": ms.moe_ragged_dot,  # gmm_impl="auto": the tiled kernel on CPU
 }
 GMM_IMPLS = {
-    "ragged_dot": functools.partial(ms.moe_ragged_dot, gmm_impl="ragged_dot"),
-    "tiled": functools.partial(ms.moe_ragged_dot, gmm_impl="tiled"),
+  "ragged_dot": functools.partial(ms.moe_ragged_dot, gmm_impl="ragged_dot"),
+  "tiled": functools.partial(ms.moe_ragged_dot, gmm_impl="tiled"),
 }
 
 # T = 13 does not divide into tiles or devices. E = 16 so that "one_device" (experts on
@@ -71,8 +79,10 @@ def test_gmm_impls_agree(routing):
   # One matrix per expert is enough to compare the grouped matmuls; SwiGLU through the
   # default ("tiled" on CPU) is covered above.
   case = make_case(routing, seed=1, **shape_for(routing))
-  ys = {name: check_against_oracle(fn, case, jnp.float32, seed=1, err_msg=name)
-        for name, fn in GMM_IMPLS.items()}
+  ys = {
+    name: check_against_oracle(fn, case, jnp.float32, seed=1, err_msg=name)
+    for name, fn in GMM_IMPLS.items()
+  }
   assert_close(ys["tiled"], ys["ragged_dot"], jnp.float32)
 
 
@@ -98,10 +108,12 @@ def test_matches_oracle_property(problem):
   # cases cover) outputs only.
   routing, shape, ffn, seed = problem
   case = make_case(routing, seed=seed, ffn=ffn, **shape)
-  check_against_oracle(ms.moe_ragged_dot, case, jnp.float32, seed=seed,
-                       err_msg=f"ragged_dot {problem}")
-  assert_close(outputs(ms.moe_masked_scan, *case), oracle.moe(*case), jnp.float32,
-               f"masked_scan {problem}")
+  check_against_oracle(
+    ms.moe_ragged_dot, case, jnp.float32, seed=seed, err_msg=f"ragged_dot {problem}"
+  )
+  assert_close(
+    outputs(ms.moe_masked_scan, *case), oracle.moe(*case), jnp.float32, f"masked_scan {problem}"
+  )
 
 
 @pytest.mark.parametrize("impl, ffn", [("masked_scan", "swiglu"), ("ragged_dot", "linear")])
@@ -118,7 +130,7 @@ def test_invalid_ids_give_exact_zeros(impl):
   x_TD, w, experts_TK, weights_TK = make_case("uniform", seed=3, **SHAPE)
   E = SHAPE["E"]
   # Every id invalid: -1 would wrap to expert E-1, E would be clamped to E-1 by a gather.
-  bad = np.array([-1, E, E + 3, -2**31, 2**31 - 1], np.int32)
+  bad = np.array([-1, E, E + 3, -(2**31), 2**31 - 1], np.int32)
   experts_TK = jnp.asarray(np.resize(bad, experts_TK.shape))
   ct = cotangent((SHAPE["T"], SHAPE["F"]), jnp.float32, 3)
   y, (dx, dw, dweights) = outputs_and_grads(fn, x_TD, w, experts_TK, weights_TK, ct)
@@ -137,8 +149,14 @@ def test_invalid_slot_keeps_the_valid_slots(impl):
   ct = cotangent((SHAPE["T"], SHAPE["F"]), jnp.float32, 4)
   y, _ = outputs_and_grads(IMPLS[impl], x_TD, w, experts_TK, weights_TK, ct)
   assert_close(y, oracle.moe(x_TD, w, experts_TK[:, :1], weights_TK[:, :1]), jnp.float32)
-  y_same, _ = outputs_and_grads(IMPLS[impl], x_TD, w, experts_TK.at[:, 1].set(experts_TK[:, 0]),
-                                weights_TK.at[:, 1].set(0.0), ct)
+  y_same, _ = outputs_and_grads(
+    IMPLS[impl],
+    x_TD,
+    w,
+    experts_TK.at[:, 1].set(experts_TK[:, 0]),
+    weights_TK.at[:, 1].set(0.0),
+    ct,
+  )
   assert_close(y, y_same, jnp.float32)
 
 
@@ -160,12 +178,21 @@ def test_nonfinite_token_leaves_others_unchanged(impl, bad):
         assert not np.all(np.isfinite(dirty[t])), f"{routing}: token {t} lost its {bad}"
 
 
-@pytest.mark.parametrize("impl", [
-    *IMPLS, "gmm=tiled",
-    pytest.param("gmm=ragged_dot", marks=pytest.mark.xfail(
-        strict=True, reason="lax.ragged_dot on CPU is a masked dense product over all groups: "
-        "0 * inf = nan reaches every token (a known limitation, documented in the README)")),
-])
+@pytest.mark.parametrize(
+  "impl",
+  [
+    *IMPLS,
+    "gmm=tiled",
+    pytest.param(
+      "gmm=ragged_dot",
+      marks=pytest.mark.xfail(
+        strict=True,
+        reason="lax.ragged_dot on CPU is a masked dense product over all groups: "
+        "0 * inf = nan reaches every token (a known limitation, documented in the README)",
+      ),
+    ),
+  ],
+)
 def test_nonfinite_expert_leaves_other_tokens_unchanged(impl):
   fn = IMPLS.get(impl) or GMM_IMPLS[impl.removeprefix("gmm=")]
   x_TD, w, experts_TK, weights_TK = make_case("uniform", seed=6, **SHAPE)
@@ -200,8 +227,9 @@ def test_linear_wrapper_equals_bare_array():
   ct = cotangent((SHAPE["T"], SHAPE["F"]), jnp.float32, 8)
   fn = ms.moe_masked_scan
   y, (dx, dw, _) = outputs_and_grads(fn, x_TD, w_EDF, experts_TK, weights_TK, ct)
-  y_lin, (dx_lin, dw_lin, _) = outputs_and_grads(fn, x_TD, ms.Linear(w_EDF), experts_TK,
-                                                 weights_TK, ct)
+  y_lin, (dx_lin, dw_lin, _) = outputs_and_grads(
+    fn, x_TD, ms.Linear(w_EDF), experts_TK, weights_TK, ct
+  )
   np.testing.assert_array_equal(y_lin, y)
   np.testing.assert_array_equal(dx_lin, dx)
   assert isinstance(dw_lin, ms.Linear)

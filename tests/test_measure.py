@@ -15,6 +15,7 @@ from bench import measure
 
 gmm = importlib.import_module("moe_shard.gmm_tiled")
 from bench import accounting  # noqa: E402
+
 N = 8  # simulated devices (tests/conftest.py)
 
 
@@ -57,17 +58,19 @@ def test_static_loop_counts_its_trip_count():
 
 def _dynamic_loops(a, b, count):
   """An outer loop of 3 (static) around a named inner loop of `count` steps per entry."""
+
   def inner(c):
     with jax.named_scope("inner_steps"):
-      return jax.lax.while_loop(lambda s: s[0] < count,
-                                lambda s: (s[0] + 1, jnp.tanh(s[1] @ b)), (0, c))[1]
+      return jax.lax.while_loop(
+        lambda s: s[0] < count, lambda s: (s[0] + 1, jnp.tanh(s[1] @ b)), (0, c)
+      )[1]
+
   return jax.lax.fori_loop(0, 3, lambda i, c: inner(c), a)
 
 
 def test_dynamic_loop_needs_and_uses_trip_counts():
   M, K = 16, 8
-  compiled = measure.compile_fn(_dynamic_loops, _spec((M, K)), _spec((K, K)),
-                                _spec((), jnp.int32))
+  compiled = measure.compile_fn(_dynamic_loops, _spec((M, K)), _spec((K, K)), _spec((), jnp.int32))
   with pytest.raises(ValueError, match=r"scope 'inner_steps'.*no known trip count"):
     measure.executed_flops(compiled)
   # 3 entries x 4 steps: the count given is the total over the run.
@@ -75,7 +78,8 @@ def test_dynamic_loop_needs_and_uses_trip_counts():
   assert flops["dot_executed"] == 12 * 2 * M * K * K
   # default_trip_count is per entry of the enclosing loop: 3 x 4 again.
   assert measure.executed_flops(compiled, default_trip_count=4)["dot_executed"] == (
-      12 * 2 * M * K * K)
+    12 * 2 * M * K * K
+  )
   assert {lp.scope() for lp in measure.parse_hlo(compiled.as_text()).loops} >= {"inner_steps"}
 
 
@@ -94,67 +98,104 @@ LOCAL = ROWS * COLS * 4
 
 
 def test_all_to_all_bytes(mesh8):
-  c = _compile_shard_map(lambda a: jax.lax.all_to_all(a, "x", 0, 0, tiled=True), mesh8,
-                         (N * ROWS, COLS))
+  c = _compile_shard_map(
+    lambda a: jax.lax.all_to_all(a, "x", 0, 0, tiled=True), mesh8, (N * ROWS, COLS)
+  )
   got = measure.collective_bytes(c)
-  assert got == {"all-to-all": {"count": 1, "operand_bytes": LOCAL, "result_bytes": LOCAL,
-                                "wire_bytes": LOCAL * (N - 1) // N}}
+  assert got == {
+    "all-to-all": {
+      "count": 1,
+      "operand_bytes": LOCAL,
+      "result_bytes": LOCAL,
+      "wire_bytes": LOCAL * (N - 1) // N,
+    }
+  }
 
 
 def test_all_gather_bytes(mesh8):
-  c = _compile_shard_map(lambda a: jax.lax.all_gather(a, "x", tiled=True), mesh8,
-                         (N * ROWS, COLS))
+  c = _compile_shard_map(lambda a: jax.lax.all_gather(a, "x", tiled=True), mesh8, (N * ROWS, COLS))
   got = measure.collective_bytes(c)
-  assert got == {"all-gather": {"count": 1, "operand_bytes": LOCAL,
-                                "result_bytes": N * LOCAL, "wire_bytes": (N - 1) * LOCAL}}
+  assert got == {
+    "all-gather": {
+      "count": 1,
+      "operand_bytes": LOCAL,
+      "result_bytes": N * LOCAL,
+      "wire_bytes": (N - 1) * LOCAL,
+    }
+  }
 
 
 def test_psum_bytes(mesh8):
-  c = _compile_shard_map(lambda a: jax.lax.psum(a, "x"), mesh8, (N * ROWS, COLS),
-                         out_specs=P())
+  c = _compile_shard_map(lambda a: jax.lax.psum(a, "x"), mesh8, (N * ROWS, COLS), out_specs=P())
   got = measure.collective_bytes(c)
-  assert got == {"all-reduce": {"count": 1, "operand_bytes": LOCAL, "result_bytes": LOCAL,
-                                "wire_bytes": 2 * LOCAL * (N - 1) // N}}
+  assert got == {
+    "all-reduce": {
+      "count": 1,
+      "operand_bytes": LOCAL,
+      "result_bytes": LOCAL,
+      "wire_bytes": 2 * LOCAL * (N - 1) // N,
+    }
+  }
 
 
 def test_reduce_scatter_bytes(mesh8):
-  c = _compile_shard_map(lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh8,
-                         (N * ROWS, COLS))
+  c = _compile_shard_map(
+    lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh8, (N * ROWS, COLS)
+  )
   got = measure.collective_bytes(c)
-  assert got == {"reduce-scatter": {"count": 1, "operand_bytes": LOCAL,
-                                    "result_bytes": LOCAL // N,
-                                    "wire_bytes": LOCAL * (N - 1) // N}}
+  assert got == {
+    "reduce-scatter": {
+      "count": 1,
+      "operand_bytes": LOCAL,
+      "result_bytes": LOCAL // N,
+      "wire_bytes": LOCAL * (N - 1) // N,
+    }
+  }
 
 
 def test_collective_permute_bytes(mesh8):
   perm = [(i, (i + 1) % N) for i in range(N)]
   c = _compile_shard_map(lambda a: jax.lax.ppermute(a, "x", perm), mesh8, (N * ROWS, COLS))
   got = measure.collective_bytes(c)
-  assert got == {"collective-permute": {"count": 1, "operand_bytes": LOCAL,
-                                        "result_bytes": LOCAL, "wire_bytes": LOCAL}}
+  assert got == {
+    "collective-permute": {
+      "count": 1,
+      "operand_bytes": LOCAL,
+      "result_bytes": LOCAL,
+      "wire_bytes": LOCAL,
+    }
+  }
 
 
 def test_collective_in_loop_is_attributed_and_scaled(mesh8):
   def body(a):
     with jax.named_scope("rounds"):
       return jax.lax.fori_loop(
-          0, 3, lambda i, c: jnp.sin(jax.lax.all_to_all(c, "x", 0, 0, tiled=True)), a)
+        0, 3, lambda i, c: jnp.sin(jax.lax.all_to_all(c, "x", 0, 0, tiled=True)), a
+      )
+
   c = _compile_shard_map(body, mesh8, (N * ROWS, COLS))
   mod = measure.parse_hlo(c.as_text())
   (home,) = mod.collectives  # one computation holds the all-to-all: the loop body
   assert home in {lp.body for lp in mod.loops}
   assert mod.collectives[home]["all-to-all"]["operand_bytes"] == LOCAL
   got = measure.collective_bytes(c)
-  assert got["all-to-all"] == {"count": 3, "operand_bytes": 3 * LOCAL,
-                               "result_bytes": 3 * LOCAL,
-                               "wire_bytes": 3 * (LOCAL * (N - 1) // N)}
+  assert got["all-to-all"] == {
+    "count": 3,
+    "operand_bytes": 3 * LOCAL,
+    "result_bytes": 3 * LOCAL,
+    "wire_bytes": 3 * (LOCAL * (N - 1) // N),
+  }
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("M, sizes", [
+@pytest.mark.parametrize(
+  "M, sizes",
+  [
     (100, [40, 0, 37, 3, 11]),
     (32, [20, 0, 3, 0, 0]),  # M = the largest tile: its matmul must stay inside its loop
-])
+  ],
+)
 def test_tiled_grouped_matmul_executed_flops(mode, M, sizes):
   """Executed dot FLOPs = 2 * D * F * (rows the schedule computes), x3 with the backward."""
   D, F = 32, 64
@@ -188,8 +229,11 @@ def test_wire_bytes_use_the_replica_group_size():
   spec = P(("a", "b"))
 
   def body(x):
-    return (jax.lax.all_to_all(x, "a", 0, 0, tiled=True),
-            jax.lax.all_to_all(x, "b", 0, 0, tiled=True))
+    return (
+      jax.lax.all_to_all(x, "a", 0, 0, tiled=True),
+      jax.lax.all_to_all(x, "b", 0, 0, tiled=True),
+    )
+
   f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec))
   c = measure.compile_fn(f, _spec((N * ROWS, COLS), sharding=NamedSharding(mesh, spec)))
   got = measure.collective_bytes(c)["all-to-all"]
@@ -197,13 +241,16 @@ def test_wire_bytes_use_the_replica_group_size():
   assert got["wire_bytes"] == LOCAL * 3 // 4 + LOCAL * 1 // 2
 
 
-@pytest.mark.parametrize("attrs, size", [
+@pytest.mark.parametrize(
+  "attrs, size",
+  [
     ("replica_groups={{0,1,2}}, dimensions={0}", 3),
     ("replica_groups=[4,2]<=[8], dimensions={0}", 2),
     ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, use_global_device_ids=true", 4),
     ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}, x=1", 8),
     ("source_target_pairs={{0,1}}", 1),
-])
+  ],
+)
 def test_group_size_forms(attrs, size):
   # The three ways XLA prints replica groups (explicit, iota, mesh axes).
   assert measure._group_size(attrs) == size
@@ -215,17 +262,18 @@ def test_path_keys_tell_nested_loops_with_the_same_scope_apart():
 
   def steps(a, w, n):
     with jax.named_scope("steps"):
-      return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ w),
-                                (0, a))[1]
+      return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ w), (0, a))[1]
 
   def f(a, w, n, m):
     a = steps(a, w, n)
     with jax.named_scope("outer"):
-      return jax.lax.while_loop(lambda c: c[0] < m,
-                                lambda c: (c[0] + 1, steps(c[1], w, n)), (0, a))[1]
+      return jax.lax.while_loop(
+        lambda c: c[0] < m, lambda c: (c[0] + 1, steps(c[1], w, n)), (0, a)
+      )[1]
 
-  compiled = measure.compile_fn(f, _spec((D, D)), _spec((D, D)), _spec((), jnp.int32),
-                                _spec((), jnp.int32))
+  compiled = measure.compile_fn(
+    f, _spec((D, D)), _spec((D, D)), _spec((), jnp.int32), _spec((), jnp.int32)
+  )
   mod = measure.parse_hlo(compiled.as_text())
   by_path = {lp.matches("outer/steps"): lp for lp in mod.loops if lp.scope() == "steps"}
   assert set(by_path) == {True, False}  # one nested, one not
@@ -241,7 +289,8 @@ def test_convolution_flops_are_counted():
   x = _spec((2, 8, 16, 16))  # N, C_in, H, W
   w = _spec((4, 8, 3, 3))  # C_out, C_in, kh, kw
   compiled = measure.compile_fn(
-      lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "VALID"), x, w)
+    lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "VALID"), x, w
+  )
   out = 2 * 4 * 14 * 14
   assert measure.executed_flops(compiled)["dot_executed"] == 2 * out * 8 * 3 * 3
 
@@ -250,6 +299,7 @@ def test_convolution_flops_are_counted():
 def test_counted_loop_without_annotation_gets_its_trip_count(start, stop):
   """XLA's own loops on TPU (e.g. windowed einsums) carry no known_trip_count; a counted
   loop `i = a; while i < n: i += 1` is recognised from its condition, init and step."""
+
   def f(a, b):
     return jax.lax.fori_loop(start, stop, lambda i, c: jnp.sin(c @ b), a)
 
@@ -297,9 +347,11 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 
 def test_pallas_tpu_kernel_flops_are_its_declared_cost():
   """A tpu_custom_call is not a dot: its FLOPs come from the cost it declares."""
-  line = ('custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
-          '{"body":"xyz","cost_estimate":{"flops":"137438953472","transcendentals":"0",'
-          '"bytes_accessed":"855638016"}}}')
+  line = (
+    'custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
+    '{"body":"xyz","cost_estimate":{"flops":"137438953472","transcendentals":"0",'
+    '"bytes_accessed":"855638016"}}}'
+  )
   assert measure.custom_call_flops(line) == 137438953472.0
   assert measure.custom_call_flops('custom_call_target="SomethingElse"') == 0.0
 
@@ -307,13 +359,15 @@ def test_pallas_tpu_kernel_flops_are_its_declared_cost():
 def _copy_loop(x, count):
   """A named loop whose body reads and writes one [M, K] f32 buffer per step."""
   with jax.named_scope("copy_steps"):
-    return jax.lax.while_loop(lambda s: s[0] < count,
-                              lambda s: (s[0] + 1, jnp.sin(s[1]) * 2.0), (0, x))[1]
+    return jax.lax.while_loop(
+      lambda s: s[0] < count, lambda s: (s[0] + 1, jnp.sin(s[1]) * 2.0), (0, x)
+    )[1]
 
 
 @pytest.mark.parametrize("trips", [0, 1, 5])
 def test_executed_bytes_scale_loop_bodies_by_their_trip_counts(trips):
   from bench import hbm
+
   M, K = 128, 256
   compiled = measure.compile_fn(_copy_loop, _spec((M, K)), _spec((), jnp.int32))
   got = hbm.executed_bytes(compiled, {"copy_steps": trips})
@@ -322,8 +376,11 @@ def test_executed_bytes_scale_loop_bodies_by_their_trip_counts(trips):
   # counts it once, whatever the trip count.
   step = 2 * 4 * M * K
   assert got["executed"] - got["xla"] == pytest.approx((trips - 1) * step, rel=0.01)
-  (body,) = [r for r in hbm.op_bytes(compiled, {"copy_steps": trips})
-              if r["written"] == 4 * M * K and r["scope"].startswith("copy_steps")]
+  (body,) = [
+    r
+    for r in hbm.op_bytes(compiled, {"copy_steps": trips})
+    if r["written"] == 4 * M * K and r["scope"].startswith("copy_steps")
+  ]
   assert body["runs"] == trips and body["total"] == trips * step
   # The table lists no op of a loop that never runs.
   text = hbm.table(compiled, {"copy_steps": trips}, top=20)
@@ -332,6 +389,7 @@ def test_executed_bytes_scale_loop_bodies_by_their_trip_counts(trips):
 
 def test_pallas_tpu_kernel_bytes_are_its_declared_cost():
   from bench import hbm
+
   text = """HloModule m
 
 ENTRY %main (p0: bf16[512,256], p1: bf16[2,256,128]) -> bf16[512,128] {

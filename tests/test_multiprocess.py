@@ -22,11 +22,10 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
-import pytest
-
 import layer_oracle
 import mp_worker
+import numpy as np
+import pytest
 from cases import assert_close
 
 TESTS = Path(__file__).resolve().parent
@@ -48,10 +47,14 @@ def _workers(tmp_path, *flags, command=None):
 
   `command(i)` gives process i's command line before the process-layout flags (default:
   `mp_worker.py --out results.npz` and `flags`)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS.parent), str(TESTS),
-                                                      os.environ.get("PYTHONPATH")])))
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(
+      filter(None, [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH")])
+    ),
+  )
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(name, None)
   port = _free_port()
@@ -59,13 +62,35 @@ def _workers(tmp_path, *flags, command=None):
   try:
     for i in range(2):
       with open(tmp_path / f"out{i}.txt", "w") as out, open(tmp_path / f"err{i}.txt", "w") as err:
-        argv = command(i) if command else [
-            sys.executable, str(TESTS / "mp_worker.py"), "--out",
-            str(tmp_path / "results.npz"), *flags]
-        procs.append(subprocess.Popen(
-            [*argv, "--num-processes", "2", "--process-id", str(i),
-             "--coordinator", f"127.0.0.1:{port}"],
-            env=env, stdout=out, stderr=err, start_new_session=True, cwd=TESTS.parent))
+        argv = (
+          command(i)
+          if command
+          else [
+            sys.executable,
+            str(TESTS / "mp_worker.py"),
+            "--out",
+            str(tmp_path / "results.npz"),
+            *flags,
+          ]
+        )
+        procs.append(
+          subprocess.Popen(
+            [
+              *argv,
+              "--num-processes",
+              "2",
+              "--process-id",
+              str(i),
+              "--coordinator",
+              f"127.0.0.1:{port}",
+            ],
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            cwd=TESTS.parent,
+          )
+        )
     yield procs
   finally:
     for p in procs:
@@ -89,14 +114,16 @@ def _wait(procs, timeout_s):
 def _log(tmp_path, i, stream="err", lines=30):
   text = (tmp_path / f"{stream}{i}.txt").read_text(errors="replace")
   return f"--- worker {i} std{stream} (last {lines} lines) ---\n" + "\n".join(
-      text.splitlines()[-lines:])
+    text.splitlines()[-lines:]
+  )
 
 
 def _max_error(got, want):
   """max |got - want| relative to max(1, max |want|): the scale `assert_close`'s atol uses."""
   want = np.asarray(want, np.float64)
-  return float(np.max(np.abs(np.asarray(got, np.float64) - want)) /
-               max(1.0, float(np.max(np.abs(want)))))
+  return float(
+    np.max(np.abs(np.asarray(got, np.float64) - want)) / max(1.0, float(np.max(np.abs(want))))
+  )
 
 
 def test_two_processes_match_one_process(tmp_path):
@@ -127,8 +154,12 @@ def test_two_processes_match_one_process(tmp_path):
       errors[name] = _max_error(got[name], w)
       assert_close(got[name], w, np.float32, err_msg=name)
   # The float64 model, from the same NumPy case; its top-k must be that of float32 logits.
-  assert layer_oracle.routing_margin(x_BSD.reshape(-1, x_BSD.shape[-1]), params.router_DE,
-                                     mp_worker.CFG.top_k) > 1e-4
+  assert (
+    layer_oracle.routing_margin(
+      x_BSD.reshape(-1, x_BSD.shape[-1]), params.router_DE, mp_worker.CFG.top_k
+    )
+    > 1e-4
+  )
   for name, (cfg, _, _) in mp_worker.CONFIGS.items():
     y, aux = layer_oracle.layer(params, x_BSD, cfg)
     errors[f"{name}/y vs float64 model"] = _max_error(got[f"{name}/y"], y)
@@ -144,18 +175,21 @@ def test_two_processes_match_one_process(tmp_path):
       assert aux["dropped_items"] > 0 and dropped_T[half:].any(), aux["dropped_items"]
   for name in mp_worker.CONFIGS:  # shown with `pytest -s`
     mine = {k: v for k, v in errors.items() if k.startswith(name + "/") and "model" not in k}
-    print(f"{name}: max error vs one process {max(mine.values()):.1e} over {len(mine)} "
-          f"arrays (y, aux losses, dx, every dparam); y vs float64 model "
-          f"{errors[f'{name}/y vs float64 model']:.1e}; dropped items "
-          f"{int(got[f'{name}/aux/dropped_items'])}, tokens {int(got[f'{name}/aux/dropped_tokens'])}")
+    print(
+      f"{name}: max error vs one process {max(mine.values()):.1e} over {len(mine)} "
+      f"arrays (y, aux losses, dx, every dparam); y vs float64 model "
+      f"{errors[f'{name}/y vs float64 model']:.1e}; dropped items "
+      f"{int(got[f'{name}/aux/dropped_items'])}, tokens {int(got[f'{name}/aux/dropped_tokens'])}"
+    )
 
 
 @pytest.mark.parametrize("die, dying", [("during", 1), ("after_init", 0)])
 def test_dead_process_stops_the_other(tmp_path, die, dying):
   # Process 1 dying is seen by the coordination service (in process 0) when its heartbeats
   # stop; process 0 (the coordinator) dying, by process 1 when it loses the connection.
-  with _workers(tmp_path, "--die", die, "--dying", str(dying),
-                "--heartbeat", str(HEARTBEAT_S)) as procs:
+  with _workers(
+    tmp_path, "--die", die, "--dying", str(dying), "--heartbeat", str(HEARTBEAT_S)
+  ) as procs:
     exits = _wait(procs, TIMEOUT_S)
   (dead_code, died), (code, stopped) = exits[dying], exits[1 - dying]
   survivor = 1 - dying
@@ -163,17 +197,39 @@ def test_dead_process_stops_the_other(tmp_path, die, dying):
   assert code is not None, f"survivor still running after {TIMEOUT_S} s"
   assert code != 0, _log(tmp_path, survivor)
   assert stopped - died < STOP_S, f"survivor stopped {stopped - died:.0f} s after the death"
-  assert FATAL in (tmp_path / f"err{survivor}.txt").read_text(errors="replace"), \
-      _log(tmp_path, survivor)
+  assert FATAL in (tmp_path / f"err{survivor}.txt").read_text(errors="replace"), _log(
+    tmp_path, survivor
+  )
   assert not (tmp_path / "results.npz").exists()
 
 
 def test_benchmark_cli_across_processes(tmp_path):
   """`python -m bench` on 2 processes x 4 devices: one 8-device mesh, process 0 reports."""
+
   def command(i):
-    return [sys.executable, "-m", "bench", "-T", "256", "-D", "16", "-F", "32", "-E", "8",
-            "--levels", "kernel", "--impls", "all_to_all,jit_gshard_einsum", "--modes",
-            "fwd", "--repeats", "1", "--out", str(tmp_path / f"process{i}")]
+    return [
+      sys.executable,
+      "-m",
+      "bench",
+      "-T",
+      "256",
+      "-D",
+      "16",
+      "-F",
+      "32",
+      "-E",
+      "8",
+      "--levels",
+      "kernel",
+      "--impls",
+      "all_to_all,jit_gshard_einsum",
+      "--modes",
+      "fwd",
+      "--repeats",
+      "1",
+      "--out",
+      str(tmp_path / f"process{i}"),
+    ]
 
   with _workers(tmp_path, command=command) as procs:
     exits = _wait(procs, TIMEOUT_S)

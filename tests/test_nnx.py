@@ -16,16 +16,25 @@ from jax.sharding import PartitionSpec as P
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
+from tiny_model import (  # noqa: E402
+  CFG,
+  LAYERS,
+  LEARNING_RATE,
+  D,
+  batches,
+  count_compiles,
+  functional_loss_jit,
+  make_mesh,
+  rms_norm,
+)
+
 import moe_shard as ms  # noqa: E402
 from moe_shard.nnx import MoE  # noqa: E402
-from tiny_model import (CFG, D, LAYERS, LEARNING_RATE, batches, count_compiles,  # noqa: E402
-                        functional_loss_jit, make_mesh, rms_norm)
 
 SCAN_METADATA = {nnx.PARTITION_NAME: None}  # the layer axis is not split
 
 
 class Block(nnx.Module):
-
   def __init__(self, rngs, mesh):
     self.scale_D = nnx.Param(jnp.ones((D,)), out_sharding=P(None), eager_sharding=False)
     self.moe = MoE(CFG, rngs=rngs, mesh=mesh)
@@ -36,7 +45,6 @@ class Block(nnx.Module):
 
 
 class Model(nnx.Module):
-
   def __init__(self, rngs, mesh=None):
 
     @nnx.split_rngs(splits=LAYERS)
@@ -92,16 +100,24 @@ def train(mesh, in_scope):
 def _train(model, optimizer, mesh):
   losses, want, compiles = [], [], []
   for x_BSD, target_BSD in batches(mesh):
-    want.append(float(functional_loss_jit(model.blocks.moe.moe_params(),
-                                          model.blocks.scale_D[...], x_BSD, target_BSD, mesh)))
+    want.append(
+      float(
+        functional_loss_jit(
+          model.blocks.moe.moe_params(), model.blocks.scale_D[...], x_BSD, target_BSD, mesh
+        )
+      )
+    )
     with count_compiles() as n:
       losses.append(float(train_step(model, optimizer, x_BSD, target_BSD)))  # waits
     compiles.append(n[0])
   return model, np.asarray(losses), np.asarray(want), compiles
 
 
-@pytest.fixture(scope="module", params=[("auto", False), ("explicit", True)],
-                ids=["auto-mesh-arg", "explicit-set_mesh"])
+@pytest.fixture(
+  scope="module",
+  params=[("auto", False), ("explicit", True)],
+  ids=["auto-mesh-arg", "explicit-set_mesh"],
+)
 def run(request):
   kind, in_scope = request.param
   mesh = make_mesh(kind)
@@ -113,15 +129,13 @@ def test_params_are_sharded_with_partition_metadata(run):
   state = nnx.state(model, nnx.Param)
   specs = nnx.get_partition_spec(state)
   # The layer axis (nnx.vmap) first, then moe_param_specs: one entry per dimension.
-  assert specs["blocks"]["moe"]["experts"]["gate_EDF"].get_value() == P(
-      None, ms.EXPERT, None, None)
+  assert specs["blocks"]["moe"]["experts"]["gate_EDF"].get_value() == P(None, ms.EXPERT, None, None)
   assert specs["blocks"]["moe"]["router_DE"].get_value() == P(None, None, None)
   for path, var in nnx.to_flat_state(state):
     spec = nnx.get_partition_spec(var).get_value()
     assert len(spec) == var.get_value().ndim, path
     if path[1] == "moe":
-      assert var.get_value().sharding.is_equivalent_to(NamedSharding(mesh, spec),
-                                                       len(spec)), path
+      assert var.get_value().sharding.is_equivalent_to(NamedSharding(mesh, spec), len(spec)), path
 
 
 def test_losses_equal_the_functional_layer(run):
@@ -149,11 +163,13 @@ def test_orbax_round_trip_keeps_values_and_shardings(run, tmp_path):
   abstract_model = nnx.eval_shape(lambda: Model(nnx.Rngs(1), mesh))
   graphdef, abstract_state = nnx.split(abstract_model)
   shardings = nnx.get_named_sharding(abstract_state, mesh)
-  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_state, shardings)
+  target = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+  )
   restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "state", target))
-  for (path, want), (_, got) in zip(nnx.to_flat_state(nnx.state(model)),
-                                    nnx.to_flat_state(nnx.state(restored))):
+  for (path, want), (_, got) in zip(
+    nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(restored))
+  ):
     want, got = want.get_value(), got.get_value()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
     assert got.sharding.is_equivalent_to(want.sharding, want.ndim), path
@@ -161,9 +177,15 @@ def test_orbax_round_trip_keeps_values_and_shardings(run, tmp_path):
 
 def test_importing_moe_shard_does_not_import_flax():
   import subprocess
+
   code = "import moe_shard, sys; print('flax' in sys.modules, 'equinox' in sys.modules)"
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       check=True, cwd=str(__import__("pathlib").Path(ms.__file__).parents[1]))
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=str(__import__("pathlib").Path(ms.__file__).parents[1]),
+  )
   assert out.stdout.split() == ["False", "False"]
 
 
@@ -172,8 +194,7 @@ def test_abstract_mesh_no_mesh_and_errors():
   # nnx.eval_shape with an AbstractMesh: shapes and partition metadata, no arrays.
   abstract = nnx.eval_shape(lambda: MoE(CFG, rngs=nnx.Rngs(0), mesh=mesh.abstract_mesh))
   assert abstract.mesh == mesh.abstract_mesh
-  assert nnx.get_partition_spec(abstract.experts.gate_EDF).get_value() == P(
-      ms.EXPERT, None, None)
+  assert nnx.get_partition_spec(abstract.experts.gate_EDF).get_value() == P(ms.EXPERT, None, None)
   assert isinstance(abstract.experts.gate_EDF.get_value(), jax.ShapeDtypeStruct)
   # No mesh given and none in scope: the local layer.
   local = MoE(CFG, rngs=nnx.Rngs(0))
@@ -183,6 +204,9 @@ def test_abstract_mesh_no_mesh_and_errors():
   np.testing.assert_array_equal(y_BSD, ms.moe_layer(local.moe_params(), x_BSD, CFG)[0])
   with pytest.raises(TypeError, match=r"^moe_shard\.nnx\.MoE: cfg must be a MoEConfig"):
     MoE(dict(d_model=D), rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"^moe_shard\.nnx\.MoE: mesh must have the expert "
-                     r"axis 'ep'"):
+  with pytest.raises(
+    ValueError,
+    match=r"^moe_shard\.nnx\.MoE: mesh must have the expert "
+    r"axis 'ep'",
+  ):
     MoE(dataclasses.replace(CFG, expert_axis="ep"), rngs=nnx.Rngs(0), mesh=mesh)

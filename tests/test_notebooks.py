@@ -42,8 +42,9 @@ def test_committed_with_outputs(path):
   nbformat.validate(nb)
   counts = [c.execution_count for c in _code_cells(nb)]
   assert counts == list(range(1, len(counts) + 1)), (
-      f"{path.name}: run it top to bottom (python notebooks/execute.py {path.stem}) and "
-      f"commit the outputs; execution counts are {counts}")
+    f"{path.name}: run it top to bottom (python notebooks/execute.py {path.stem}) and "
+    f"commit the outputs; execution counts are {counts}"
+  )
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])

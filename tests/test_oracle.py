@@ -3,11 +3,11 @@
 import math
 
 import numpy as np
+import oracle
 import pytest
+from cases import TiedFFN
 
 import moe_shard as ms
-import oracle
-from cases import TiedFFN
 
 
 def test_linear_matches_hand_derived_values():
@@ -16,21 +16,24 @@ def test_linear_matches_hand_derived_values():
   x_TD = np.array([[1.0, 2.0], [3.0, -1.0], [5.0, 7.0]])
   experts_TK = np.array([[0, 1], [2, 2], [-1, 3]])  # a duplicate; two invalid ids (E = 3)
   weights_TK = np.array([[0.25, 0.5], [0.5, 0.25], [1.0, 1.0]])
-  want = np.array([
+  want = np.array(
+    [
       0.25 * np.array([1.0, 2.0]) + 0.5 * np.array([2.0, 4.0]),
       0.75 * np.array([-1.0, 3.0]),
       [0.0, 0.0],
-  ])
+    ]
+  )
   np.testing.assert_array_equal(oracle.moe(x_TD, w_EDF, experts_TK, weights_TK), want)
   # Top-1 int[T] ids and weights=None (ones).
-  np.testing.assert_array_equal(oracle.moe(x_TD, w_EDF, np.array([1, 0, 5])),
-                                [[2.0, 4.0], [3.0, -1.0], [0.0, 0.0]])
+  np.testing.assert_array_equal(
+    oracle.moe(x_TD, w_EDF, np.array([1, 0, 5])), [[2.0, 4.0], [3.0, -1.0], [0.0, 0.0]]
+  )
 
 
 def test_swiglu_matches_hand_derived_values():
   # D = F = 1: y = w * silu(x g) * (x u) * d.
   g, u, d, x, a = 0.7, -1.3, 2.0, 1.5, 0.4
-  silu = lambda z: z / (1.0 + math.exp(-z))  # noqa: E731
+  silu = lambda z: z / (1.0 + math.exp(-z))
   ffn = ms.SwiGLU(np.full((2, 1, 1), g), np.full((2, 1, 1), u), np.full((2, 1, 1), d))
   want = a * silu(x * g) * (x * u) * d
   got = oracle.moe(np.array([[x]]), ffn, np.array([[1]]), np.array([[a]]))
@@ -58,14 +61,13 @@ def test_oracle_grads_match_finite_differences(ffn):
   x = rng.normal(size=(T, D))
   if ffn == "linear":
     leaves = [rng.normal(size=(E, D, F))]
-    make_w = lambda: leaves[0]  # noqa: E731
+    make_w = lambda: leaves[0]
   elif ffn == "tied":
     leaves = [rng.normal(size=(E, D, D))]
-    make_w = lambda: TiedFFN(leaves[0])  # noqa: E731
+    make_w = lambda: TiedFFN(leaves[0])
   else:
-    leaves = [rng.normal(size=(E, D, F)), rng.normal(size=(E, D, F)),
-              rng.normal(size=(E, F, D))]
-    make_w = lambda: ms.SwiGLU(*leaves)  # noqa: E731
+    leaves = [rng.normal(size=(E, D, F)), rng.normal(size=(E, D, F)), rng.normal(size=(E, F, D))]
+    make_w = lambda: ms.SwiGLU(*leaves)
   # Distinct, duplicate and invalid ids; expert 3 gets nothing.
   experts = np.array([[0, 2], [1, 1], [-1, 2], [4, 0]])
   weights = rng.uniform(0.2, 1.0, size=(T, 2))
@@ -75,8 +77,11 @@ def test_oracle_grads_match_finite_differences(ffn):
     return float(np.sum(oracle.moe(x, make_w(), experts, weights) * ct))
 
   dx, dw, dweights = oracle.moe_grads(x, make_w(), experts, weights, ct)
-  dw_leaves = {"linear": lambda: [dw], "tied": lambda: [dw.w_EDD],
-               "swiglu": lambda: [dw.gate_EDF, dw.up_EDF, dw.down_EFD]}[ffn]()
+  dw_leaves = {
+    "linear": lambda: [dw],
+    "tied": lambda: [dw.w_EDD],
+    "swiglu": lambda: [dw.gate_EDF, dw.up_EDF, dw.down_EFD],
+  }[ffn]()
   tol = dict(rtol=1e-6, atol=1e-8)  # central differences: O(h^2) + roundoff/h ~ 1e-10
   np.testing.assert_allclose(dx, _numerical_grad(loss, x), **tol)
   for leaf, got in zip(leaves, dw_leaves):

@@ -23,14 +23,25 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
+from cases import (
+  FAST_COMPILE,
+  ROUTINGS,
+  TiedFFN,
+  assert_close,
+  assert_tree_close,
+  cotangent,
+  feasible,
+  make_case,
+  outputs,
+  outputs_and_grads,
+  trace,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-import oracle
-from cases import (FAST_COMPILE, ROUTINGS, assert_close, assert_tree_close, cotangent, feasible,
-                   make_case, outputs, outputs_and_grads, TiedFFN, trace)
 
 # --------------------------------------------------------------------------- meshes
 
@@ -50,8 +61,12 @@ def mesh(name):
   """`"4x2-explicit"` -> a (expert, data) mesh over the first 8 (or 1) devices."""
   shape_name, kind = name.split("-")
   shape = MESH_SHAPES[shape_name]
-  return jax.make_mesh(shape, (ms.EXPERT, ms.DATA), axis_types=(KINDS[kind],) * 2,
-                       devices=jax.devices()[:math.prod(shape)])
+  return jax.make_mesh(
+    shape,
+    (ms.EXPERT, ms.DATA),
+    axis_types=(KINDS[kind],) * 2,
+    devices=jax.devices()[: math.prod(shape)],
+  )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,14 +128,14 @@ def reference(routing, shape, ffn="linear", dtype="float32", seed=0, num_devices
   checked on every mesh.
   """
   dtype = jnp.dtype(dtype)
-  case = make_case(routing, seed=seed, dtype=dtype, ffn=ffn, num_devices=num_devices,
-                   **dict(shape))
+  case = make_case(routing, seed=seed, dtype=dtype, ffn=ffn, num_devices=num_devices, **dict(shape))
   y = oracle.moe(*case)
   ct = cotangent(y.shape, dtype, seed)
   dx, dw, dweights = oracle.moe_grads(*case, ct)
   scan_y, scan_grads = outputs_and_grads(ms.moe_masked_scan, *case, ct)
-  return types.SimpleNamespace(case=case, ct=ct, dtype=dtype, oracle=(y, (dx, dw, dweights)),
-                               scan=(scan_y, scan_grads))
+  return types.SimpleNamespace(
+    case=case, ct=ct, dtype=dtype, oracle=(y, (dx, dw, dweights)), scan=(scan_y, scan_grads)
+  )
 
 
 def key(shape):
@@ -181,10 +196,15 @@ def expected_stats(experts_TK, E, mesh_, chunk_size=None, expert_axis=ms.EXPERT)
   first, overflow = expected_chunks(ids_SI.shape[1] // K, K, N, chunk_size)
   rounds = 1 + math.ceil(max(0, pairs_SN.max() - first) / overflow)
   valid_TK = (ids_TK >= 0) & (ids_TK < E)
-  return dict(rounds=rounds, sent_items=valid_SI.sum(axis=1),
-              sent_slots=np.full(devices, N * (first + (rounds - 1) * overflow)),
-              expert_load=np.bincount(ids_TK[valid_TK], minlength=E),
-              invalid_ids=int(np.sum(~valid_TK)), chunk_first=first, chunk_overflow=overflow)
+  return dict(
+    rounds=rounds,
+    sent_items=valid_SI.sum(axis=1),
+    sent_slots=np.full(devices, N * (first + (rounds - 1) * overflow)),
+    expert_load=np.bincount(ids_TK[valid_TK], minlength=E),
+    invalid_ids=int(np.sum(~valid_TK)),
+    chunk_first=first,
+    chunk_overflow=overflow,
+  )
 
 
 def check_stats(stats, experts_TK, E, mesh_, chunk_size=None, expert_axis=ms.EXPERT):
@@ -275,8 +295,9 @@ def test_tokens_not_divisible(name, mesh_name, routing):
       assert int(stats["invalid_ids"]) == 0
 
 
-@pytest.mark.parametrize("name, mesh_name", [("all_gather", "8x1-auto"),
-                                             ("all_to_all", "2x4-explicit")])
+@pytest.mark.parametrize(
+  "name, mesh_name", [("all_gather", "8x1-auto"), ("all_to_all", "2x4-explicit")]
+)
 def test_k_equals_e(name, mesh_name):
   m = mesh(mesh_name)
   ref = reference("k_equals_e", key(SHAPE_K_EQUALS_E))
@@ -295,8 +316,9 @@ CHUNKED = [(1, "8x1-explicit"), ((3, 1), "4x2-auto")]
 def test_chunk_sizes(chunk_size, mesh_name, routing):
   m = mesh(mesh_name)
   ref = reference(routing, key(SHAPE), num_devices=m.shape[ms.EXPERT])
-  _, _, stats = check(impl("all_to_all", m, chunk_size), ref,
-                      f"chunk={chunk_size}/{mesh_name}/{routing}")
+  _, _, stats = check(
+    impl("all_to_all", m, chunk_size), ref, f"chunk={chunk_size}/{mesh_name}/{routing}"
+  )
   want = check_stats(stats, ref.case[2], SHAPE["E"], m, chunk_size)
   if routing == "one_expert":  # 10 items on one pair: 10 rounds of 1, or 3 + 7 rounds of 1
     assert want["rounds"] == (10 if chunk_size == 1 else 8)
@@ -309,7 +331,7 @@ def test_all_ids_invalid_give_exact_zeros(name, mesh_name):
   ref = reference("uniform", key(SHAPE))
   x_TD, w, experts_TK, weights_TK = ref.case
   E = SHAPE["E"]
-  bad = np.array([-1, E, E + 3, -2**31, 2**31 - 1], np.int32)
+  bad = np.array([-1, E, E + 3, -(2**31), 2**31 - 1], np.int32)
   experts_TK = jnp.asarray(np.resize(bad, experts_TK.shape))
   y, (dx, dw, dweights), stats = run(impl(name, m), x_TD, w, experts_TK, weights_TK, ref.ct)
   for what, got in [("y", y), ("dx", dx), ("dw", dw), ("dweights", dweights)]:
@@ -334,8 +356,7 @@ def test_nonfinite_values_stay_with_their_tokens(name, mesh_name):
   host = lambda out: jax.tree.map(np.asarray, out)
   clean_y, (clean_dx, _, _), _ = host(run(fn, *ref.case, ref.ct))
   t = 6
-  y, (dx, _, _), _ = host(run(fn, x_TD.at[t, 1].set(jnp.nan), w, experts_TK, weights_TK,
-                              ref.ct))
+  y, (dx, _, _), _ = host(run(fn, x_TD.at[t, 1].set(jnp.nan), w, experts_TK, weights_TK, ref.ct))
   others = np.arange(SHAPE["T"]) != t
   np.testing.assert_array_equal(y[others], clean_y[others])
   np.testing.assert_array_equal(dx[others], clean_dx[others])
@@ -357,8 +378,9 @@ def test_same_result_on_every_expert_axis(name, routing):
   # The same inputs on expert axes of 1, 2, 4 and 8 devices (and both axis types): the same
   # outputs and gradients within float32 tolerance, whatever the split.
   ref = reference(routing, key(SHAPE))
-  grads = {mesh_name: run(impl(name, mesh(mesh_name)), *ref.case, ref.ct)[:2]
-           for mesh_name in GRAD_MESHES}
+  grads = {
+    mesh_name: run(impl(name, mesh(mesh_name)), *ref.case, ref.ct)[:2] for mesh_name in GRAD_MESHES
+  }
   ys = {mesh_name: y for mesh_name, (y, _) in grads.items()}
   for mesh_name in FWD_MESHES:
     out = outputs(impl(name, mesh(mesh_name)), *ref.case)
@@ -396,16 +418,20 @@ def test_chunk_size_does_not_change_the_result_beyond_rounding():
 def _place(case, m, spec_x, spec_w, spec_ids):
   x_TD, w, experts_TK, weights_TK = case
   put = lambda a, spec: jax.device_put(a, NamedSharding(m, spec))
-  return (put(x_TD, spec_x), jax.tree.map(lambda leaf: put(leaf, spec_w), w),
-          put(experts_TK, spec_ids), put(weights_TK, spec_ids))
+  return (
+    put(x_TD, spec_x),
+    jax.tree.map(lambda leaf: put(leaf, spec_w), w),
+    put(experts_TK, spec_ids),
+    put(weights_TK, spec_ids),
+  )
 
 
 TOKENS = P((ms.EXPERT, ms.DATA))
 PLACEMENTS = {
-    # What the functions would do themselves: tokens over every axis, experts over "expert".
-    "matching": (TOKENS, P(ms.EXPERT), TOKENS),
-    # Placed, but not as shard_map wants them: must be resharded, not rejected.
-    "other": (P(ms.DATA), P(), P()),
+  # What the functions would do themselves: tokens over every axis, experts over "expert".
+  "matching": (TOKENS, P(ms.EXPERT), TOKENS),
+  # Placed, but not as shard_map wants them: must be resharded, not rejected.
+  "other": (P(ms.DATA), P(), P()),
 }
 
 
@@ -466,8 +492,8 @@ def test_gmm_impl_ragged_dot(name):
 # Meshes beyond (expert, data): one axis only, and an expert axis with another name that is
 # not the first axis (tokens are then split data-major).
 OTHER_MESHES = {
-    "expert_only": lambda: jax.make_mesh((8,), (ms.EXPERT,), axis_types=(AxisType.Explicit,)),
-    "ep_minor": lambda: jax.make_mesh((2, 4), ("batch", "ep"), axis_types=(AxisType.Auto,) * 2),
+  "expert_only": lambda: jax.make_mesh((8,), (ms.EXPERT,), axis_types=(AxisType.Explicit,)),
+  "ep_minor": lambda: jax.make_mesh((2, 4), ("batch", "ep"), axis_types=(AxisType.Auto,) * 2),
 }
 
 
@@ -506,39 +532,59 @@ FNS = {"all_gather": ms.moe_all_gather, "all_to_all": ms.moe_all_to_all}
 
 
 def _args(E=8):
-  return (np.zeros((8, 4), np.float32), np.zeros((E, 4, 6), np.float32),
-          np.zeros((8, 2), np.int32), None)
+  return (
+    np.zeros((8, 4), np.float32),
+    np.zeros((E, 4, 6), np.float32),
+    np.zeros((8, 2), np.int32),
+    None,
+  )
 
 
 @pytest.mark.parametrize("name", IMPLS)
 def test_experts_not_divisible_by_expert_axis(name):
   fn = FNS[name]
-  with pytest.raises(ValueError, match=re.escape(
-      f"moe_{name}: num_experts (6) must be divisible by the 'expert' axis size (4)")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape(f"moe_{name}: num_experts (6) must be divisible by the 'expert' axis size (4)"),
+  ):
     trace(fn, *_args(E=6), mesh=mesh("4x2-explicit"))
   # SwiGLU: the expert count of the pytree, not of one matrix.
   w = ms.SwiGLU(*(np.zeros(s, np.float32) for s in [(3, 4, 6), (3, 4, 6), (3, 6, 4)]))
-  with pytest.raises(ValueError, match=re.escape(
-      f"moe_{name}: num_experts (3) must be divisible by the 'expert' axis size (2)")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape(f"moe_{name}: num_experts (3) must be divisible by the 'expert' axis size (2)"),
+  ):
     trace(fn, _args()[0], w, _args()[2], None, mesh=mesh("2x4-auto"))
 
 
 @pytest.mark.parametrize("name", IMPLS)
 def test_expert_axis_not_in_mesh(name):
-  with pytest.raises(ValueError, match=re.escape(
-      f"moe_{name}: mesh must have the expert axis 'model' (got axes ('expert', 'data'))")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
+      f"moe_{name}: mesh must have the expert axis 'model' (got axes ('expert', 'data'))"
+    ),
+  ):
     trace(FNS[name], *_args(), mesh=mesh("4x2-auto"), expert_axis="model")
 
 
-@pytest.mark.parametrize("bad_mesh, type_name", [
-    ("expert", "str"), ((4, 2), "tuple"),
-], ids=["str", "tuple"])
+@pytest.mark.parametrize(
+  "bad_mesh, type_name",
+  [
+    ("expert", "str"),
+    ((4, 2), "tuple"),
+  ],
+  ids=["str", "tuple"],
+)
 @pytest.mark.parametrize("name", IMPLS)
 def test_mesh_not_a_mesh(name, bad_mesh, type_name):
   # None means the mesh in scope and an AbstractMesh works under jit: tests/test_mesh_scope.py.
-  with pytest.raises(TypeError, match=re.escape(
-      f"moe_{name}: mesh must be a jax.sharding.Mesh, an AbstractMesh or None "
-      f"(got {type_name})")):
+  with pytest.raises(
+    TypeError,
+    match=re.escape(
+      f"moe_{name}: mesh must be a jax.sharding.Mesh, an AbstractMesh or None (got {type_name})"
+    ),
+  ):
     trace(FNS[name], *_args(), mesh=bad_mesh)
 
 
@@ -546,12 +592,14 @@ def test_mesh_not_a_mesh(name, bad_mesh, type_name):
 def test_bad_inputs_are_checked_like_the_references(name):
   # The shared input checks run first, naming this function.
   x_TD, w, experts_TK, _ = _args()
-  with pytest.raises(ValueError, match=re.escape(
-      f"moe_{name}: w's input dimension (5) must equal x's last dimension D (4)")):
-    trace(FNS[name], x_TD, np.zeros((8, 5, 6), np.float32), experts_TK, None,
-          mesh=mesh("4x2-auto"))
-  with pytest.raises(TypeError, match=re.escape(
-      f"moe_{name}: experts must have an integer dtype (got float32)")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape(f"moe_{name}: w's input dimension (5) must equal x's last dimension D (4)"),
+  ):
+    trace(FNS[name], x_TD, np.zeros((8, 5, 6), np.float32), experts_TK, None, mesh=mesh("4x2-auto"))
+  with pytest.raises(
+    TypeError, match=re.escape(f"moe_{name}: experts must have an integer dtype (got float32)")
+  ):
     trace(FNS[name], x_TD, w, experts_TK.astype(np.float32), None, mesh=mesh("4x2-auto"))
 
 
@@ -560,9 +608,13 @@ BAD_CHUNKS = [0, -1, (1, 2, 3), (0, 1), (2, 0), True, (1.5, 1), 1.5]
 
 @pytest.mark.parametrize("chunk_size", BAD_CHUNKS)
 def test_bad_chunk_size(chunk_size):
-  with pytest.raises((TypeError, ValueError), match=re.escape(
+  with pytest.raises(
+    (TypeError, ValueError),
+    match=re.escape(
       f"moe_all_to_all: chunk_size must be None, an int >= 1 or a pair of ints >= 1 "
-      f"(got {chunk_size!r})")):
+      f"(got {chunk_size!r})"
+    ),
+  ):
     trace(ms.moe_all_to_all, *_args(), mesh=mesh("4x2-explicit"), chunk_size=chunk_size)
 
 
@@ -602,17 +654,24 @@ def parallel_problems(draw):
 def test_matches_oracle_property(problem):
   # Outputs, gradients (x, every leaf of w, weights) and the all_to_all stats.
   mesh_name, routing, shape, ffn, chunk_size, seed = problem
-  for event in (f"mesh {mesh_name}", f"routing {routing}", f"ffn {ffn}",
-                f"chunk_size {chunk_size}", f"K {shape['K']}",
-                "T divides the mesh" if shape["T"] % 8 == 0 else "T padded"):
+  for event in (
+    f"mesh {mesh_name}",
+    f"routing {routing}",
+    f"ffn {ffn}",
+    f"chunk_size {chunk_size}",
+    f"K {shape['K']}",
+    "T divides the mesh" if shape["T"] % 8 == 0 else "T padded",
+  ):
     hypothesis.event(event)
   m = mesh(mesh_name)
   case = make_case(routing, seed=seed, ffn=ffn, num_devices=m.shape[ms.EXPERT], **shape)
   want = oracle.moe(*case)
   ct = cotangent(want.shape, jnp.float32, seed)
   want_grads = oracle.moe_grads(*case, ct)
-  for name, fn in [("all_to_all", impl("all_to_all", m, chunk_size)),
-                   ("all_gather", impl("all_gather", m))]:
+  for name, fn in [
+    ("all_to_all", impl("all_to_all", m, chunk_size)),
+    ("all_gather", impl("all_gather", m)),
+  ]:
     y, grads, stats = run(fn, *case, ct)
     assert_close(y, want, jnp.float32, f"{name} {problem}")
     for what, got, w in zip(("dx", "dw", "dweights"), grads, want_grads):
@@ -634,30 +693,36 @@ def test_all_to_all_grads_over_overflow_rounds_match_the_oracle(gmm_impl):
   x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
   logits = jnp.asarray(rng.normal(size=(T, E)), jnp.float32).at[:, 0].add(3.0)  # skewed
   routing = ms.top_k_routing(logits, K)
-  w = [jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
-       for s in [(E, D, F), (E, D, F), (E, F, D), (E, D, D)]]
+  w = [
+    jnp.asarray(rng.normal(size=s) / np.sqrt(s[1]), jnp.float32)
+    for s in [(E, D, F), (E, D, F), (E, F, D), (E, D, D)]
+  ]
   ffns = {"swiglu": ms.SwiGLU(*w[:3]), "tied": TiedFFN(w[3])}
   m = mesh("8x1-auto")
   for name, ffn in ffns.items():
+
     def loss(f, x, g):
-      y = ms.moe_all_to_all(x, f, routing.experts_TK, g, mesh=m, chunk_size=(4, 4),
-                            gmm_impl=gmm_impl)
+      y = ms.moe_all_to_all(
+        x, f, routing.experts_TK, g, mesh=m, chunk_size=(4, 4), gmm_impl=gmm_impl
+      )
       return jnp.sum(jnp.sin(y))
+
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(ffn, x, routing.weights_TK)
     ct = np.cos(oracle.moe(x, ffn, routing.experts_TK, routing.weights_TK))
     dx, dffn, dweights = oracle.moe_grads(x, ffn, routing.experts_TK, routing.weights_TK, ct)
     want = (dffn, dx, dweights)
-    _, stats = jax.jit(lambda f: ms.moe_all_to_all(
-        x, f, routing.experts_TK, routing.weights_TK, mesh=m, chunk_size=(4, 4),
-        return_stats=True))(ffn)
+    _, stats = jax.jit(
+      lambda f: ms.moe_all_to_all(
+        x, f, routing.experts_TK, routing.weights_TK, mesh=m, chunk_size=(4, 4), return_stats=True
+      )
+    )(ffn)
     assert int(stats["rounds"]) >= 3, name
     assert_tree_close(got, want, jnp.float32)
 
 
 @pytest.mark.parametrize("name", IMPLS)
 @pytest.mark.parametrize("mesh_name,summed", [("8x1-auto", False), ("4x2-auto", True)])
-def test_weight_gradients_are_all_reduced_only_over_axes_of_size_above_one(name, mesh_name,
-                                                                           summed):
+def test_weight_gradients_are_all_reduced_only_over_axes_of_size_above_one(name, mesh_name, summed):
   """The expert weights are replicated over the data axis, so their gradients are summed
   there; over a data axis of size 1 that sum would be an all-reduce copying every weight
   gradient for nothing (shard_map transposes a replicated input into a psum)."""
@@ -667,8 +732,12 @@ def test_weight_gradients_are_all_reduced_only_over_axes_of_size_above_one(name,
   w = jnp.ones((E, D, F), jnp.float32)
   experts = (jnp.arange(T * K, dtype=jnp.int32) % E).reshape(T, K)
   fn = impl(name, m, stats=False)
-  hlo = jax.jit(jax.grad(lambda w: jnp.sum(fn(x, w, experts)), argnums=0)).lower(
-      w).compile().as_text()
-  weight_sums = [line for line in hlo.splitlines()
-                 if " all-reduce(" in line and f",{D},{F}]" in line.split(" all-reduce(")[0]]
+  hlo = (
+    jax.jit(jax.grad(lambda w: jnp.sum(fn(x, w, experts)), argnums=0)).lower(w).compile().as_text()
+  )
+  weight_sums = [
+    line
+    for line in hlo.splitlines()
+    if " all-reduce(" in line and f",{D},{F}]" in line.split(" all-reduce(")[0]
+  ]
   assert bool(weight_sums) == summed, weight_sums

@@ -13,13 +13,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_shard.plan import (Chunks, default_capacity, default_chunks, receive_starts,
-                            round_counts, round_slots, send_plan, window)
+from moe_shard.plan import (
+  Chunks,
+  default_capacity,
+  default_chunks,
+  receive_starts,
+  round_counts,
+  round_slots,
+  send_plan,
+  window,
+)
 
 # --------------------------------------------------------------------------- default_chunks
 
 
-@pytest.mark.parametrize("tokens, k, n, want", [
+@pytest.mark.parametrize(
+  "tokens, k, n, want",
+  [
     # C_first = mean + ceil(4 * sqrt(mean)), mean = ceil(T * K / N), rounded up to a
     # multiple of 8, at least 8; C_overflow = C_first / 4 rounded up to a multiple of 8,
     # at least 8.
@@ -40,34 +50,41 @@ from moe_shard.plan import (Chunks, default_capacity, default_chunks, receive_st
     # Tiny or empty: the floor of 8 slots.
     (1, 1, 8, Chunks(8, 8)),
     (0, 2, 4, Chunks(8, 8)),
-])
+  ],
+)
 def test_default_chunks(tokens, k, n, want):
   got = default_chunks(tokens, k, n)
   assert got == want
   assert got.first % 8 == 0 and got.overflow % 8 == 0
 
 
-@pytest.mark.parametrize("chunk_size, want", [
+@pytest.mark.parametrize(
+  "chunk_size, want",
+  [
     (1, Chunks(1, 1)),
     (5, Chunks(5, 5)),
     ((3, 1), Chunks(3, 1)),
     ([3, 1], Chunks(3, 1)),
     ((1, 7), Chunks(1, 7)),
-])
+  ],
+)
 def test_default_chunks_explicit_size(chunk_size, want):
   # An explicit size ignores tokens, k and devices.
   assert default_chunks(40, 2, 4, chunk_size) == want
 
 
-BAD_CHUNKS = [0, -1, (1, 2, 3), (2,), (0, 1), (2, 0), (1, -1), True, (True, 1), (1.5, 1), "ab",
-              1.5]
+BAD_CHUNKS = [0, -1, (1, 2, 3), (2,), (0, 1), (2, 0), (1, -1), True, (True, 1), (1.5, 1), "ab", 1.5]
 
 
 @pytest.mark.parametrize("chunk_size", BAD_CHUNKS)
 def test_default_chunks_rejects(chunk_size):
-  with pytest.raises((TypeError, ValueError), match=re.escape(
+  with pytest.raises(
+    (TypeError, ValueError),
+    match=re.escape(
       f"moe_all_to_all: chunk_size must be None, an int >= 1 or a pair of ints >= 1 "
-      f"(got {chunk_size!r})")):
+      f"(got {chunk_size!r})"
+    ),
+  ):
     default_chunks(40, 2, 4, chunk_size)
 
 
@@ -78,7 +95,9 @@ def test_default_chunks_accepts_numpy_int():
 # --------------------------------------------------------------------------- Chunks
 
 
-@pytest.mark.parametrize("chunks, max_count, want", [
+@pytest.mark.parametrize(
+  "chunks, max_count, want",
+  [
     (Chunks(3, 1), 0, 1),  # an empty queue still runs round 0
     (Chunks(3, 1), 3, 1),  # exactly fills round 0
     (Chunks(3, 1), 4, 2),  # one item over: one overflow round
@@ -88,13 +107,16 @@ def test_default_chunks_accepts_numpy_int():
     (Chunks(8, 8), 17, 3),
     (Chunks(8, 2), 13, 4),  # 1 + ceil((13 - 8) / 2) = 1 + 3
     (Chunks(1, 1), 40, 40),
-])
+  ],
+)
 def test_chunks_rounds(chunks, max_count, want):
   assert int(chunks.rounds(max_count)) == want
   assert int(chunks.rounds(np.int32(max_count))) == want
 
 
-@pytest.mark.parametrize("chunks, r, want", [
+@pytest.mark.parametrize(
+  "chunks, r, want",
+  [
     (Chunks(3, 1), 1, 3),
     (Chunks(3, 1), 2, 4),
     (Chunks(3, 1), 3, 5),
@@ -102,7 +124,8 @@ def test_chunks_rounds(chunks, max_count, want):
     (Chunks(8, 2), 1, 8),
     (Chunks(8, 2), 2, 10),
     (Chunks(8, 2), 3, 12),
-])
+  ],
+)
 def test_chunks_start(chunks, r, want):
   assert int(chunks.start(r)) == want
 
@@ -111,7 +134,8 @@ def test_chunks_traced():
   # Inside the dispatch both are called on traced values (the mesh-wide max, the loop index).
   chunks = Chunks(8, 2)
   rounds, start = jax.jit(lambda m, r: (chunks.rounds(m), chunks.start(r)))(
-      jnp.int32(13), jnp.int32(3))
+    jnp.int32(13), jnp.int32(3)
+  )
   assert (int(rounds), int(start)) == (4, 12)
 
 
@@ -150,7 +174,9 @@ def test_send_plan_by_hand():
     assert a.dtype == jnp.int32
 
 
-@pytest.mark.parametrize("start, size, want", [
+@pytest.mark.parametrize(
+  "start, size, want",
+  [
     # Round 0 with C = 2: device 0 gets its 2 items (sorted positions 0, 1: items 1, 2);
     # device 1 the first 2 of its 3 (positions 2, 3: items 4, 0).
     (0, 2, [[1, 2], [4, 0]]),
@@ -162,7 +188,8 @@ def test_send_plan_by_hand():
     (1, 1, [[2], [0]]),
     # Past the end of every queue (never reads out of bounds): all padding.
     (5, 3, [[-1, -1, -1], [-1, -1, -1]]),
-])
+  ],
+)
 def test_round_slots_by_hand(start, size, want):
   plan = send_plan(jnp.asarray(EXAMPLE_TK, jnp.int32), 4, 2)
   # `start` is traced in the overflow rounds: jit with a traced start, size static.
@@ -186,7 +213,7 @@ def test_round_slots_skips_empty_destinations_and_invalid_ids():
 
 def test_send_plan_int32_extremes_are_invalid():
   # The int32 extremes and E itself are never sent (no overflow of offset arithmetic).
-  ids = jnp.asarray([[-2**31, 1], [2**31 - 1, 4], [-1, 0]], jnp.int32)
+  ids = jnp.asarray([[-(2**31), 1], [2**31 - 1, 4], [-1, 0]], jnp.int32)
   plan = send_plan(ids, 4, 2)
   np.testing.assert_array_equal(plan.valid_I, [False, True, False, False, False, True])
   np.testing.assert_array_equal(plan.count_N, [2, 0])
@@ -201,8 +228,9 @@ def plans(draw):
   """
   E, T, K = 4, 6, 2
   N = draw(st.sampled_from([2, 4, 1]))
-  ids = draw(st.lists(st.sampled_from(list(range(E)) + [-1, E, -2**31]), min_size=T * K,
-                      max_size=T * K))
+  ids = draw(
+    st.lists(st.sampled_from(list(range(E)) + [-1, E, -(2**31)]), min_size=T * K, max_size=T * K)
+  )
   chunks = Chunks(draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 2])))
   return np.asarray(ids, np.int32).reshape(T, K), E, N, chunks
 
@@ -220,8 +248,9 @@ def test_rounds_send_every_valid_item_once(problem):
   rounds = int(chunks.rounds(plan.count_N.max()))
   assert rounds == 1 + -(-max(0, want_count_N.max() - chunks.first) // chunks.overflow)
   slots = [np.asarray(round_slots(plan, 0, chunks.first))]
-  slots += [np.asarray(round_slots(plan, chunks.start(r), chunks.overflow))
-            for r in range(1, rounds)]
+  slots += [
+    np.asarray(round_slots(plan, chunks.start(r), chunks.overflow)) for r in range(1, rounds)
+  ]
   sent = {n: [i for s in slots for i in s[n] if i >= 0] for n in range(N)}
   # Every valid item exactly once, in the row of its destination device, in expert order.
   assert sorted(i for n in sent for i in sent[n]) == list(np.flatnonzero(valid_I))
@@ -242,8 +271,7 @@ def test_round_counts_by_hand():
   #   2, 3 and 0 items: all in round 0 (or none), nothing after.
   sent_RN, slots_R = round_counts(np.array([2, 3, 0, 13]), Chunks(8, 2), 4)
   np.testing.assert_array_equal(slots_R, [8, 2, 2, 2])
-  np.testing.assert_array_equal(sent_RN, [[2, 3, 0, 8], [0, 0, 0, 2], [0, 0, 0, 2],
-                                          [0, 0, 0, 1]])
+  np.testing.assert_array_equal(sent_RN, [[2, 3, 0, 8], [0, 0, 0, 2], [0, 0, 0, 2], [0, 0, 0, 1]])
   assert sent_RN.dtype == slots_R.dtype == jnp.int32
 
 
@@ -266,11 +294,14 @@ def test_round_counts_per_source_matches_round_slots():
   np.testing.assert_array_equal(sent_SRN.sum(axis=1), count_SN)
 
 
-@pytest.mark.parametrize("count, rounds, err, match", [
+@pytest.mark.parametrize(
+  "count, rounds, err, match",
+  [
     (np.array([1.0, 2.0]), 1, TypeError, "round_counts: count_N must have an integer dtype"),
     (np.array([1, 2]), 0, ValueError, r"round_counts: rounds must be in \[1, "),
     (np.array([1, 2]), 1.0, TypeError, "round_counts: rounds must be an int"),
-])
+  ],
+)
 def test_round_counts_rejects(count, rounds, err, match):
   with pytest.raises(err, match=match):
     round_counts(count, Chunks(8, 8), rounds)
@@ -279,7 +310,9 @@ def test_round_counts_rejects(count, rounds, err, match):
 # --------------------------------------------------------------------------- ragged dispatch
 
 
-@pytest.mark.parametrize("tokens, k, capacity, want", [
+@pytest.mark.parametrize(
+  "tokens, k, capacity, want",
+  [
     # T*K = 10 -> 10 + ceil(4 * 3.16) = 23 -> 24; overflow 24 / 4 = 6 -> at least 8.
     (5, 2, None, Chunks(24, 8)),
     # 128 -> 128 + ceil(45.25) = 174 -> 176; overflow 176 / 4 = 44 -> 48.
@@ -292,16 +325,17 @@ def test_round_counts_rejects(count, rounds, err, match):
     (1, 1, None, Chunks(8, 8)),  # 1 + 4 -> the floor of 8 rows
     (0, 2, None, Chunks(8, 8)),
     (40, 2, 3, Chunks(3, 3)),  # an explicit capacity: every round
-])
+  ],
+)
 def test_default_capacity(tokens, k, capacity, want):
   assert default_capacity(tokens, k, capacity) == want
 
 
-@pytest.mark.parametrize("capacity, err", [(0, ValueError), (-2, ValueError),
-                                           (1.5, TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+  "capacity, err", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)]
+)
 def test_default_capacity_rejects(capacity, err):
-  with pytest.raises(err, match=re.escape(
-      "moe_ragged_all_to_all: capacity must be ")):
+  with pytest.raises(err, match=re.escape("moe_ragged_all_to_all: capacity must be ")):
     default_capacity(40, 2, capacity)
 
 
@@ -313,7 +347,9 @@ def test_receive_starts_by_hand():
   np.testing.assert_array_equal(receive_starts(recv_SL), [[0, 3], [2, 7], [2, 10]])
 
 
-@pytest.mark.parametrize("start, count, lo, size, want", [
+@pytest.mark.parametrize(
+  "start, count, lo, size, want",
+  [
     # A queue at [3, 8) and the window [0, 4): its first item, written at row 3.
     (3, 5, 0, 4, (0, 1, 3)),
     # The window [4, 8): items 1..4 of the queue, written from row 0.
@@ -324,15 +360,18 @@ def test_receive_starts_by_hand():
     (6, 2, 0, 2, (0, 0, 2)),
     # An empty queue.
     (0, 0, 0, 4, (0, 0, 0)),
-])
+  ],
+)
 def test_window_by_hand(start, count, lo, size, want):
   got = window(jnp.int32(start), jnp.int32(count), jnp.int32(lo), size)
   assert tuple(int(v) for v in got) == want
 
 
 @hypothesis.settings(max_examples=15)
-@hypothesis.given(st.lists(st.lists(st.integers(0, 6), min_size=3, max_size=3), min_size=1,
-                           max_size=4), st.integers(1, 7))
+@hypothesis.given(
+  st.lists(st.lists(st.integers(0, 6), min_size=3, max_size=3), min_size=1, max_size=4),
+  st.integers(1, 7),
+)
 def test_windows_receive_every_item_once_grouped_by_expert(recv, capacity):
   # The rounds' windows cover each (source, expert) queue exactly once; the rows of each
   # round's buffer are grouped by expert, in the order of the receive layout.
@@ -342,15 +381,17 @@ def test_windows_receive_every_item_once_grouped_by_expert(recv, capacity):
   rounds = max(1, -(-total // capacity))
   seen = np.zeros(recv_SL.shape, int)
   for r in range(rounds):
-    skip, n, at = (np.asarray(a) for a in window(jnp.asarray(start_SL), jnp.asarray(recv_SL),
-                                                 r * capacity, capacity))
+    skip, n, at = (
+      np.asarray(a)
+      for a in window(jnp.asarray(start_SL), jnp.asarray(recv_SL), r * capacity, capacity)
+    )
     assert np.all(n >= 0) and np.all(at + n <= capacity)
     np.testing.assert_array_equal(skip, seen)  # each round resumes where the last stopped
     seen += n
     rows = np.full(capacity, -1)
     for s, l in zip(*np.nonzero(n)):
-      assert np.all(rows[at[s, l]:at[s, l] + n[s, l]] == -1)  # no overlap
-      rows[at[s, l]:at[s, l] + n[s, l]] = l
-    filled = rows[:int(n.sum())]
+      assert np.all(rows[at[s, l] : at[s, l] + n[s, l]] == -1)  # no overlap
+      rows[at[s, l] : at[s, l] + n[s, l]] = l
+    filled = rows[: int(n.sum())]
     assert np.all(filled >= 0) and np.all(np.diff(filled) >= 0)  # packed, expert-major
   np.testing.assert_array_equal(seen, recv_SL)

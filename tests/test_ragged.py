@@ -13,25 +13,35 @@ reused, so each (mesh, shape, capacity) compiles once for every routing.
 """
 
 import functools
+import math
 import re
 
 import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
-import math
-
 import numpy as np
+import oracle
 import pytest
+from cases import ROUTINGS, assert_close, feasible, make_case, outputs, trace
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from test_parallel import (
+  MAIN_ROUTINGS,
+  MESH_SHAPES,
+  SHAPE,
+  SHAPE_K_EQUALS_E,
+  SHAPE_PADDED,
+  check,
+  check_forward,
+  key,
+  mesh,
+  reference,
+  run,
+)
 
 import moe_shard as ms
-import oracle
-from cases import ROUTINGS, assert_close, feasible, make_case, outputs, trace
 from moe_shard.parallel import ragged_all_to_all_emulated
-from test_parallel import (MAIN_ROUTINGS, MESH_SHAPES, SHAPE, SHAPE_K_EQUALS_E, SHAPE_PADDED,
-                           check, check_forward, key, mesh, reference, run)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,8 +52,7 @@ def _eight_devices(devices):
 # --------------------------------------------------------------------------- the emulation
 
 
-def ragged_all_to_all_model(operand, output, input_offsets, send_sizes, output_offsets,
-                            recv_sizes):
+def ragged_all_to_all_model(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
   """NumPy model of `lax.ragged_all_to_all` over a whole axis, from its docstring.
 
   Every argument is stacked over the N devices of the axis (leading dimension N). Slice i of
@@ -58,8 +67,8 @@ def ragged_all_to_all_model(operand, output, input_offsets, send_sizes, output_o
       dst, j = divmod(i, J)
       n = send_sizes[src][i]
       assert recv_sizes[dst][src * J + j] == n, "send and receive sizes disagree"
-      rows = operand[src][input_offsets[src][i]:input_offsets[src][i] + n]
-      result[dst][output_offsets[src][i]:output_offsets[src][i] + n] = rows
+      rows = operand[src][input_offsets[src][i] : input_offsets[src][i] + n]
+      result[dst][output_offsets[src][i] : output_offsets[src][i] + n] = rows
   return result
 
 
@@ -80,7 +89,7 @@ def random_exchange(rng, N, J, rows_in, rows_out, tail=()):
   recv = np.zeros_like(send)
   for src in range(N):
     for dst in range(N):
-      recv[dst, src * J:(src + 1) * J] = send[src, dst * J:(dst + 1) * J]
+      recv[dst, src * J : (src + 1) * J] = send[src, dst * J : (dst + 1) * J]
   operand = rng.normal(size=(N, rows_in) + tail).astype(np.float32)
   output = rng.normal(size=(N, rows_out) + tail).astype(np.float32)  # kept where not written
   return operand, output, in_off, send, out_off, recv
@@ -99,19 +108,28 @@ def emulated(n, rows_per_peer=None):
 
 def test_emulation_docstring_example():
   # The example of `lax.ragged_all_to_all`'s docstring, axis of size 2.
-  args = ([[1, 2, 2], [3, 4, 0]], [[0, 0, 0, 0], [0, 0, 0, 0]], [[0, 1], [0, 1]],
-          [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])
+  args = (
+    [[1, 2, 2], [3, 4, 0]],
+    [[0, 0, 0, 0], [0, 0, 0, 0]],
+    [[0, 1], [0, 1]],
+    [[1, 2], [1, 1]],
+    [[0, 0], [1, 2]],
+    [[1, 1], [2, 1]],
+  )
   args = [np.asarray(a, np.float32 if i < 2 else np.int32) for i, a in enumerate(args)]
   got = emulated(2)(*args)
   np.testing.assert_array_equal(got, [[1, 3, 0, 0], [2, 2, 4, 0]])
   np.testing.assert_array_equal(got, ragged_all_to_all_model(*args))
 
 
-@pytest.mark.parametrize("N, J, rows_in, rows_out, tail", [
+@pytest.mark.parametrize(
+  "N, J, rows_in, rows_out, tail",
+  [
     (8, 1, 6, 9, ()),  # one slice per peer
     (8, 3, 5, 20, (2,)),  # three slices per peer (one per local expert), trailing dims
     (4, 2, 1, 3, (2, 3)),  # tiny buffers
-])
+  ],
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_emulation_matches_numpy_model(N, J, rows_in, rows_out, tail, seed):
   args = random_exchange(np.random.default_rng([seed, N, J]), N, J, rows_in, rows_out, tail)
@@ -134,6 +152,7 @@ def test_emulation_gradient_is_the_reversed_exchange():
     def body(a, b, *rest):
       y = ragged_all_to_all_emulated(a[0], b[0], *(r[0] for r in rest), axis_name="x")
       return y[None]
+
     y = jax.shard_map(body, mesh=m, in_specs=P("x"), out_specs=P("x"))(operand, output, *sizes)
     return jnp.sum(y * ct)
 
@@ -144,9 +163,10 @@ def test_emulation_gradient_is_the_reversed_exchange():
   for src in range(N):
     for i in range(N * J):
       dst, n = i // J, send[src, i]
-      want_operand[src, in_off[src, i]:in_off[src, i] + n] += (
-          ct[dst, out_off[src, i]:out_off[src, i] + n])
-      written[dst, out_off[src, i]:out_off[src, i] + n] = True
+      want_operand[src, in_off[src, i] : in_off[src, i] + n] += ct[
+        dst, out_off[src, i] : out_off[src, i] + n
+      ]
+      written[dst, out_off[src, i] : out_off[src, i] + n] = True
   np.testing.assert_allclose(d_operand, want_operand, rtol=1e-6)
   np.testing.assert_allclose(d_output, np.where(written, 0, ct), rtol=1e-6)
 
@@ -157,8 +177,13 @@ def test_emulation_gradient_is_the_reversed_exchange():
 @functools.cache
 def ragged(mesh_, capacity=None, stats=True, expert_axis=ms.EXPERT):
   """The same partial for the same arguments (a static argument of `run`/`outputs`)."""
-  return functools.partial(ms.moe_ragged_all_to_all, mesh=mesh_, expert_axis=expert_axis,
-                           capacity=capacity, return_stats=stats)
+  return functools.partial(
+    ms.moe_ragged_all_to_all,
+    mesh=mesh_,
+    expert_axis=expert_axis,
+    capacity=capacity,
+    return_stats=stats,
+  )
 
 
 def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
@@ -192,10 +217,15 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   C = capacity or (C if C < 4096 else 512 * math.ceil(C / 512))
   C_over = capacity or max(8, 8 * -(-C // 32))
   valid_TK = (ids_TK >= 0) & (ids_TK < E)
-  return dict(rounds=1 + -(-max(received.max() - C, 0) // C_over),
-              sent_items=valid_SI.sum(axis=1), received_items=received,
-              expert_load=np.bincount(ids_TK[valid_TK], minlength=E),
-              invalid_ids=int(np.sum(~valid_TK)), capacity=C, capacity_overflow=C_over)
+  return dict(
+    rounds=1 + -(-max(received.max() - C, 0) // C_over),
+    sent_items=valid_SI.sum(axis=1),
+    received_items=received,
+    expert_load=np.bincount(ids_TK[valid_TK], minlength=E),
+    invalid_ids=int(np.sum(~valid_TK)),
+    capacity=C,
+    capacity_overflow=C_over,
+  )
 
 
 def check_stats(stats, experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
@@ -241,8 +271,9 @@ MULTI_ROUND = [(1, "8x1-auto"), (3, "2x4-explicit")]
 
 
 @pytest.mark.parametrize("routing", MAIN_ROUTINGS)
-@pytest.mark.parametrize("capacity, mesh_name", MULTI_ROUND,
-                         ids=[f"C{c}-{m}" for c, m in MULTI_ROUND])
+@pytest.mark.parametrize(
+  "capacity, mesh_name", MULTI_ROUND, ids=[f"C{c}-{m}" for c, m in MULTI_ROUND]
+)
 def test_multi_round(capacity, mesh_name, routing):
   m = mesh(mesh_name)
   ref = reference(routing, key(SHAPE), num_devices=m.shape[ms.EXPERT])
@@ -290,7 +321,7 @@ def test_all_ids_invalid_give_exact_zeros():
   m = mesh("4x2-auto")
   ref = reference("uniform", key(SHAPE))
   x_TD, w, experts_TK, weights_TK = ref.case
-  bad = np.array([-1, SHAPE["E"], -2**31, 2**31 - 1], np.int32)
+  bad = np.array([-1, SHAPE["E"], -(2**31), 2**31 - 1], np.int32)
   experts_TK = jnp.asarray(np.resize(bad, experts_TK.shape))
   y, grads, stats = run(ragged(m), x_TD, w, experts_TK, weights_TK, ref.ct)
   for what, got in zip(("y", "dx", "dw", "dweights"), (y, *grads)):
@@ -319,8 +350,9 @@ def test_layer_with_ragged_dispatch():
   outs = {}
   for impl, extra in [("ragged_dot", {}), ("ragged_all_to_all", dict(recv_capacity=4))]:
     cfg = ms.MoEConfig(impl=impl, **kw, **extra)
-    fn = jax.jit(jax.value_and_grad(
-        lambda p, x, cfg=cfg: jnp.sum(ms.moe_layer(p, x, cfg, mesh=m)[0] ** 2)))
+    fn = jax.jit(
+      jax.value_and_grad(lambda p, x, cfg=cfg: jnp.sum(ms.moe_layer(p, x, cfg, mesh=m)[0] ** 2))
+    )
     outs[impl] = fn(params, x_BSD)
   assert_close(outs["ragged_all_to_all"][0], outs["ragged_dot"][0], jnp.float32)
   jax.tree.map(lambda a, b: assert_close(a, b, jnp.float32), *outs.values())
@@ -335,10 +367,15 @@ def ragged_problems(draw):
   K = draw(st.integers(1, min(E, 3)))
   T = draw(st.one_of(st.sampled_from([37, 1, 9]), st.integers(1, 40)))
   routing = draw(st.sampled_from([r for r in reversed(ROUTINGS) if feasible(r, E=E, K=K)]))
-  shape = dict(T=T, D=draw(st.sampled_from([3, 8])), F=draw(st.sampled_from([5, 1])), E=E,
-               K=K)
-  return (mesh_name, routing, shape, draw(st.sampled_from(["linear", "swiglu"])),
-          draw(st.sampled_from([None, 1, 2, 5])), draw(st.integers(0, 2**16)))
+  shape = dict(T=T, D=draw(st.sampled_from([3, 8])), F=draw(st.sampled_from([5, 1])), E=E, K=K)
+  return (
+    mesh_name,
+    routing,
+    shape,
+    draw(st.sampled_from(["linear", "swiglu"])),
+    draw(st.sampled_from([None, 1, 2, 5])),
+    draw(st.integers(0, 2**16)),
+  )
 
 
 @hypothesis.settings(max_examples=4)  # each example is a new shape: a new compile
@@ -362,8 +399,8 @@ def test_auto_is_ragged_on_tpu_and_chunked_on_cpu():
   assert ms.choose_impl(cfg) == "ragged_dot"
   pytest.importorskip("libtpu")
   from bench import tpu
-  tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")).reshape(4, 2),
-                               (ms.EXPERT, ms.DATA))
+
+  tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")).reshape(4, 2), (ms.EXPERT, ms.DATA))
   assert ms.choose_impl(cfg, tpu_mesh) == "ragged_all_to_all"
 
 
@@ -371,26 +408,35 @@ def test_auto_is_ragged_on_tpu_and_chunked_on_cpu():
 
 
 def _args(E=8):
-  return (np.zeros((8, 4), np.float32), np.zeros((E, 4, 6), np.float32),
-          np.zeros((8, 2), np.int32), None)
+  return (
+    np.zeros((8, 4), np.float32),
+    np.zeros((E, 4, 6), np.float32),
+    np.zeros((8, 2), np.int32),
+    None,
+  )
 
 
 def test_errors():
   fn = ms.moe_ragged_all_to_all
-  with pytest.raises(ValueError, match=re.escape(
-      "moe_ragged_all_to_all: num_experts (6) must be divisible by the 'expert' axis size (4)")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
+      "moe_ragged_all_to_all: num_experts (6) must be divisible by the 'expert' axis size (4)"
+    ),
+  ):
     trace(fn, *_args(E=6), mesh=mesh("4x2-explicit"))
-  with pytest.raises(ValueError, match=re.escape(
-      "moe_ragged_all_to_all: mesh must be given, or a mesh be in scope")):
+  with pytest.raises(
+    ValueError, match=re.escape("moe_ragged_all_to_all: mesh must be given, or a mesh be in scope")
+  ):
     trace(fn, *_args(), mesh=None)
   with pytest.raises(ValueError, match=re.escape("moe_ragged_all_to_all: ") + ".*'model'"):
     trace(fn, *_args(), mesh=mesh("4x2-auto"), expert_axis="model")
   for bad, err in [(0, ValueError), (2.0, TypeError), (True, TypeError)]:
-    with pytest.raises(err, match=re.escape(
-        "moe_ragged_all_to_all: capacity must be ")):
+    with pytest.raises(err, match=re.escape("moe_ragged_all_to_all: capacity must be ")):
       trace(fn, *_args(), mesh=mesh("4x2-auto"), capacity=bad)
-  with pytest.raises(TypeError, match=re.escape(
-      "MoEConfig: recv_capacity must be an int (got 1.5)")):
+  with pytest.raises(
+    TypeError, match=re.escape("MoEConfig: recv_capacity must be an int (got 1.5)")
+  ):
     ms.MoEConfig(d_model=8, d_ff=8, num_experts=8, top_k=2, recv_capacity=1.5)
   out = trace(fn, *_args(), mesh=mesh("4x2-auto"))
   assert out.shape == (8, 6) and out.dtype == jnp.float32
@@ -403,25 +449,30 @@ def test_tpu_program_has_ragged_all_to_all_and_no_emulation():
   """Compiled for v5e 2x4 (forward and gradient): the real primitive, and every all-to-all
   left is of int32 offsets or counts, never of the padded data buffers."""
   pytest.importorskip("libtpu")
-  from bench import measure, tpu
   from jax.sharding import NamedSharding
+
+  from bench import measure, tpu
+
   m = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")).reshape(4, 2), (ms.EXPERT, ms.DATA))
   T, D, F, E, K = 256, 128, 256, 8, 2
   tok = NamedSharding(m, P((ms.EXPERT, ms.DATA)))
-  args = (jax.ShapeDtypeStruct((T, D), jnp.bfloat16, sharding=tok),
-          jax.ShapeDtypeStruct((E, D, F), jnp.bfloat16, sharding=NamedSharding(m, P(ms.EXPERT))),
-          jax.ShapeDtypeStruct((T, K), jnp.int32, sharding=tok),
-          jax.ShapeDtypeStruct((T, K), jnp.float32, sharding=tok))
+  args = (
+    jax.ShapeDtypeStruct((T, D), jnp.bfloat16, sharding=tok),
+    jax.ShapeDtypeStruct((E, D, F), jnp.bfloat16, sharding=NamedSharding(m, P(ms.EXPERT))),
+    jax.ShapeDtypeStruct((T, K), jnp.int32, sharding=tok),
+    jax.ShapeDtypeStruct((T, K), jnp.float32, sharding=tok),
+  )
 
   def loss(x, w, e, g):
     return jnp.sum(ms.moe_ragged_all_to_all(x, w, e, g, mesh=m).astype(jnp.float32))
 
-  for program in (lambda x, w, e, g: ms.moe_ragged_all_to_all(x, w, e, g, mesh=m),
-                  jax.grad(loss, argnums=(0, 1, 3))):
+  for program in (
+    lambda x, w, e, g: ms.moe_ragged_all_to_all(x, w, e, g, mesh=m),
+    jax.grad(loss, argnums=(0, 1, 3)),
+  ):
     text = jax.jit(program).lower(*args).compile().as_text()
     assert "ragged-all-to-all(" in text
     all_to_alls = re.findall(r"= (\S+) all-to-all(?:-start)?\(", text)
-    assert all_to_alls and all(t.startswith(("s32[", "(s32[")) for t in all_to_alls), (
-        all_to_alls)
+    assert all_to_alls and all(t.startswith(("s32[", "(s32[")) for t in all_to_alls), all_to_alls
     coll = measure.collective_bytes(text, {"ragged_overflow_rounds": 1})
     assert coll["ragged-all-to-all"]["count"] >= 2

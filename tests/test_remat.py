@@ -16,14 +16,20 @@ import moe_shard as ms
 
 CFG = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2, gmm_impl="ragged_dot")
 X = jnp.ones((8, 2, 8))
-LOCAL = (ms.MOE_ROUTER_LOGITS, ms.MOE_EXPERT_GATE, ms.MOE_EXPERT_UP, ms.MOE_EXPERT_OUT,
-         ms.MOE_DISPATCH_OUT)
+LOCAL = (
+  ms.MOE_ROUTER_LOGITS,
+  ms.MOE_EXPERT_GATE,
+  ms.MOE_EXPERT_UP,
+  ms.MOE_EXPERT_OUT,
+  ms.MOE_DISPATCH_OUT,
+)
 
 
 def loss_fn(cfg, mesh):
   def loss(params, x_BSD):
     y_BSD, aux = ms.moe_layer(params, x_BSD, cfg, mesh=mesh)
-    return jnp.sum(y_BSD ** 2) + aux["aux_loss"]
+    return jnp.sum(y_BSD**2) + aux["aux_loss"]
+
   return loss
 
 
@@ -45,8 +51,14 @@ def mesh():
 
 
 def test_names_are_stable():
-  assert ms.CHECKPOINT_NAMES == ("moe_router_logits", "moe_dispatch_recv", "moe_expert_gate",
-                                 "moe_expert_up", "moe_expert_out", "moe_dispatch_out")
+  assert ms.CHECKPOINT_NAMES == (
+    "moe_router_logits",
+    "moe_dispatch_recv",
+    "moe_expert_gate",
+    "moe_expert_up",
+    "moe_expert_out",
+    "moe_dispatch_out",
+  )
 
 
 @pytest.mark.parametrize("impl", ["ragged_dot", "masked_scan", "all_gather", "all_to_all"])
@@ -66,13 +78,15 @@ def test_policy_saves_exactly_the_named_value(name):
   f = loss_fn(CFG, None)
   nothing = saved(jax.checkpoint(f), params, X)
   assert named(nothing) == set()  # default policy: only the inputs
-  one = saved(jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(name)),
-              params, X)
+  one = saved(
+    jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(name)), params, X
+  )
   assert named(one) == {name} and len(one) == len(nothing) + 1
   # Saving every name except this one: the rest, and not this one.
   others = [n for n in ms.CHECKPOINT_NAMES if n != name]
-  rest = saved(jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(*others)),
-               params, X)
+  rest = saved(
+    jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(*others)), params, X
+  )
   assert named(rest) == set(LOCAL) - {name}
 
 

@@ -15,28 +15,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import router_oracle as oracle
+from cases import FAST_COMPILE, assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-import router_oracle as oracle
-from cases import FAST_COMPILE, assert_close
 
 B, S, D, E, K = 4, 8, 8, 8, 2  # T = 32 tokens: 4 per device, 8 routing groups on the mesh
 IMPLS = ("masked_scan", "ragged_dot", "all_gather", "all_to_all")
-BASE = dict(d_model=D, d_ff=D, num_experts=E, top_k=K, expert_type="linear",
-            gmm_impl="ragged_dot", load_balance_coef=1.0, z_loss_coef=0.0)
+BASE = dict(
+  d_model=D,
+  d_ff=D,
+  num_experts=E,
+  top_k=K,
+  expert_type="linear",
+  gmm_impl="ragged_dot",
+  load_balance_coef=1.0,
+  z_loss_coef=0.0,
+)
 ROUTER_CFGS = {
-    "top_k": ms.MoEConfig(**BASE),
-    "deepseek_like": ms.MoEConfig(**BASE, score_func="sigmoid", num_groups=4, top_k_groups=2,
-                                  routed_scaling=2.5, bias_balancing=True),
-    # capacity ceil(1.5 * 4 * 2 / 8) = 2 of each group's 4 tokens per expert.
-    "expert_choice": ms.MoEConfig(**BASE, router="expert_choice", capacity_factor=1.5),
+  "top_k": ms.MoEConfig(**BASE),
+  "deepseek_like": ms.MoEConfig(
+    **BASE,
+    score_func="sigmoid",
+    num_groups=4,
+    top_k_groups=2,
+    routed_scaling=2.5,
+    bias_balancing=True,
+  ),
+  # capacity ceil(1.5 * 4 * 2 / 8) = 2 of each group's 4 tokens per expert.
+  "expert_choice": ms.MoEConfig(**BASE, router="expert_choice", capacity_factor=1.5),
 }
 # Routing groups of expert choice with a grouping that does not follow the devices: the
 # router then runs on the whole array (vmap over groups), not under shard_map.
-ROUTER_CFGS["expert_choice_4_groups"] = dataclasses.replace(ROUTER_CFGS["expert_choice"],
-                                                            routing_groups=4)
+ROUTER_CFGS["expert_choice_4_groups"] = dataclasses.replace(
+  ROUTER_CFGS["expert_choice"], routing_groups=4
+)
 MESH_GROUPS = dict(top_k=8, deepseek_like=8, expert_choice=8, expert_choice_4_groups=4)
 
 
@@ -64,11 +79,21 @@ def oracle_layer(params, x_BSD, cfg, groups):
   else:
     bias = None if params.router_bias is None else oracle.f64(params.router_bias)
     w, experts, s = oracle.in_groups(
-        oracle.top_k, logits_TE, groups, K, score_func=cfg.score_func,
-        num_groups=cfg.num_groups, top_k_groups=cfg.top_k_groups, bias_E=bias,
-        scaling=cfg.routed_scaling)
-    loss = (oracle.sequence_loss(experts, s, S) if cfg.score_func == "sigmoid"
-            else oracle.switch_loss(experts, s))
+      oracle.top_k,
+      logits_TE,
+      groups,
+      K,
+      score_func=cfg.score_func,
+      num_groups=cfg.num_groups,
+      top_k_groups=cfg.top_k_groups,
+      bias_E=bias,
+      scaling=cfg.routed_scaling,
+    )
+    loss = (
+      oracle.sequence_loss(experts, s, S)
+      if cfg.score_func == "sigmoid"
+      else oracle.switch_loss(experts, s)
+    )
   y_TD = oracle.moe_linear(x_TD, params.experts.w_EDF, experts, w)
   return y_TD.reshape(B, S, D), loss, experts
 
@@ -84,18 +109,21 @@ def results():
     local_cfg = dataclasses.replace(cfg, impl="masked_scan", routing_groups=groups)
     want = oracle_layer(params, x_BSD, cfg, groups)
     local = run(params, x_BSD, local_cfg)
-    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                                 ms.moe_param_specs(cfg)))
+    placed = jax.device_put(
+      params, jax.tree.map(lambda s: NamedSharding(mesh, s), ms.moe_param_specs(cfg))
+    )
     x_placed = jax.device_put(x_BSD, NamedSharding(mesh, P(ms.DATA)))
     impls = ("masked_scan",) if name == "expert_choice_4_groups" else IMPLS
-    on_mesh = {impl: run(placed, x_placed, dataclasses.replace(cfg, impl=impl), mesh)
-               for impl in impls}
+    on_mesh = {
+      impl: run(placed, x_placed, dataclasses.replace(cfg, impl=impl), mesh) for impl in impls
+    }
     out[name] = dict(oracle=want, local=local, mesh=on_mesh)
   return out
 
 
-CASES = [(r, i) for r in ROUTER_CFGS for i in IMPLS
-         if r != "expert_choice_4_groups" or i == "masked_scan"]
+CASES = [
+  (r, i) for r in ROUTER_CFGS for i in IMPLS if r != "expert_choice_4_groups" or i == "masked_scan"
+]
 
 
 @pytest.mark.parametrize("router, impl", CASES, ids=[f"{r}-{i}" for r, i in CASES])
@@ -122,8 +150,9 @@ def test_router_through_dispatch(router, impl, results):
 def test_expert_choice_grouping_matters(results):
   # The same tokens routed in 8 groups (one per device) and in 4 choose differently; each
   # is reproduced by its own grouping on one device (the tests above).
-  assert not np.array_equal(results["expert_choice"]["oracle"][2],
-                            results["expert_choice_4_groups"]["oracle"][2])
+  assert not np.array_equal(
+    results["expert_choice"]["oracle"][2], results["expert_choice_4_groups"]["oracle"][2]
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"), compiler_options=FAST_COMPILE)
@@ -149,13 +178,16 @@ def test_router_gradients_all_to_all_match_local(router, results):
   params = params_for(cfg, seed=list(ROUTER_CFGS).index(router))
   rng = np.random.default_rng(1)
   x_BSD, ct_BSD = (jnp.asarray(rng.normal(size=(B, S, D)), jnp.float32) for _ in range(2))
-  want_y, want = run_and_grad(params, x_BSD, ct_BSD,
-                              dataclasses.replace(cfg, impl="masked_scan", routing_groups=8))
-  placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                               ms.moe_param_specs(cfg)))
-  put = lambda a: jax.device_put(a, NamedSharding(mesh, P(ms.DATA)))  # noqa: E731
-  y, got = run_and_grad(placed, put(x_BSD), put(ct_BSD),
-                        dataclasses.replace(cfg, impl="all_to_all"), mesh)
+  want_y, want = run_and_grad(
+    params, x_BSD, ct_BSD, dataclasses.replace(cfg, impl="masked_scan", routing_groups=8)
+  )
+  placed = jax.device_put(
+    params, jax.tree.map(lambda s: NamedSharding(mesh, s), ms.moe_param_specs(cfg))
+  )
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P(ms.DATA)))
+  y, got = run_and_grad(
+    placed, put(x_BSD), put(ct_BSD), dataclasses.replace(cfg, impl="all_to_all"), mesh
+  )
   assert_close(y, want_y, jnp.float32)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     assert_close(g, w, jnp.float32, jax.tree_util.keystr(path))
@@ -168,8 +200,16 @@ def test_expert_choice_tokens_no_expert_takes():
   # 8 tokens, E = 4, top_k 1, capacity_factor 0.5: each expert takes ceil(0.5 * 8 / 4) = 1
   # token, so at least 4 tokens get no routed expert: their output is exactly zero (no
   # shared experts) and aux counts them as dropped tokens, with no dropped items.
-  cfg = ms.MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=1, expert_type="linear",
-                     router="expert_choice", capacity_factor=0.5, impl="masked_scan")
+  cfg = ms.MoEConfig(
+    d_model=4,
+    d_ff=4,
+    num_experts=4,
+    top_k=1,
+    expert_type="linear",
+    router="expert_choice",
+    capacity_factor=0.5,
+    impl="masked_scan",
+  )
   params = ms.init_moe_params(jax.random.key(3), cfg)
   x_BSD = jnp.asarray(np.random.default_rng(3).normal(size=(1, 8, 4)), jnp.float32)
   y_BSD, aux = run(params, x_BSD, cfg)

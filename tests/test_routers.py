@@ -13,15 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import moe_shard as ms
 import router_oracle as oracle
 from cases import trace
+
+import moe_shard as ms
 from moe_shard.routing import route_in_groups
 
-top_k_routing = jax.jit(ms.top_k_routing, static_argnums=1,
-                        static_argnames=("normalize", "score_func", "num_groups",
-                                         "top_k_groups", "scaling"))
+top_k_routing = jax.jit(
+  ms.top_k_routing,
+  static_argnums=1,
+  static_argnames=("normalize", "score_func", "num_groups", "top_k_groups", "scaling"),
+)
 expert_choice_routing = jax.jit(ms.expert_choice_routing, static_argnums=1)
 
 
@@ -45,27 +47,39 @@ def assert_routing_equals_oracle(got, want):
 TIES = jnp.asarray(np.random.default_rng(7).integers(0, 3, size=(12, 8)), jnp.float32)
 
 TOP_K_CASES = {
-    # name: (logits, k, keyword arguments)
-    "softmax": (normal(10, 8, 0), 2, {}),
-    "softmax_k1": (normal(10, 8, 1), 1, {}),
-    "softmax_unnormalized": (normal(10, 8, 2), 3, dict(normalize=False)),
-    "ties": (TIES, 3, {}),
-    "ties_grouped": (TIES, 2, dict(num_groups=4, top_k_groups=2)),
-    "single_group": (normal(10, 8, 3), 2, dict(num_groups=1, top_k_groups=1)),
-    "all_groups_kept": (normal(10, 8, 3), 2, dict(num_groups=4, top_k_groups=4)),
-    "sigmoid": (normal(10, 8, 4, 2.0), 2, dict(score_func="sigmoid")),
-    "sigmoid_unnormalized": (normal(10, 8, 4, 2.0), 2,
-                             dict(score_func="sigmoid", normalize=False)),
-    "groups_softmax": (normal(10, 16, 5), 3, dict(num_groups=4, top_k_groups=2)),
-    "groups_of_one": (normal(10, 8, 6), 2, dict(num_groups=8, top_k_groups=3)),
-    "k_fills_kept_groups": (normal(10, 16, 8), 4, dict(num_groups=4, top_k_groups=1,
-                                                      score_func="sigmoid")),
-    "deepseek_like": (normal(10, 16, 9, 2.0), 4,
-                      dict(score_func="sigmoid", num_groups=4, top_k_groups=2,
-                           bias_E=np.linspace(-0.3, 0.3, 16, dtype=np.float32),
-                           scaling=2.5)),
-    "bf16": (normal(10, 8, 10, 2.0).astype(jnp.bfloat16), 2,
-             dict(score_func="sigmoid", num_groups=2, top_k_groups=1)),
+  # name: (logits, k, keyword arguments)
+  "softmax": (normal(10, 8, 0), 2, {}),
+  "softmax_k1": (normal(10, 8, 1), 1, {}),
+  "softmax_unnormalized": (normal(10, 8, 2), 3, dict(normalize=False)),
+  "ties": (TIES, 3, {}),
+  "ties_grouped": (TIES, 2, dict(num_groups=4, top_k_groups=2)),
+  "single_group": (normal(10, 8, 3), 2, dict(num_groups=1, top_k_groups=1)),
+  "all_groups_kept": (normal(10, 8, 3), 2, dict(num_groups=4, top_k_groups=4)),
+  "sigmoid": (normal(10, 8, 4, 2.0), 2, dict(score_func="sigmoid")),
+  "sigmoid_unnormalized": (normal(10, 8, 4, 2.0), 2, dict(score_func="sigmoid", normalize=False)),
+  "groups_softmax": (normal(10, 16, 5), 3, dict(num_groups=4, top_k_groups=2)),
+  "groups_of_one": (normal(10, 8, 6), 2, dict(num_groups=8, top_k_groups=3)),
+  "k_fills_kept_groups": (
+    normal(10, 16, 8),
+    4,
+    dict(num_groups=4, top_k_groups=1, score_func="sigmoid"),
+  ),
+  "deepseek_like": (
+    normal(10, 16, 9, 2.0),
+    4,
+    dict(
+      score_func="sigmoid",
+      num_groups=4,
+      top_k_groups=2,
+      bias_E=np.linspace(-0.3, 0.3, 16, dtype=np.float32),
+      scaling=2.5,
+    ),
+  ),
+  "bf16": (
+    normal(10, 8, 10, 2.0).astype(jnp.bfloat16),
+    2,
+    dict(score_func="sigmoid", num_groups=2, top_k_groups=1),
+  ),
 }
 
 
@@ -89,8 +103,9 @@ def test_top_k_defaults_are_bit_identical_to_softmax_top_k():
   for normalize in (True, False):
     logits_TE = normal(64, 16, 11, 3.0)
     got = top_k_routing(logits_TE, 4, normalize=normalize)
-    for a, b in zip((got.weights_TK, got.experts_TK, got.probs_TE),
-                    before(logits_TE, 4, normalize)):
+    for a, b in zip(
+      (got.weights_TK, got.experts_TK, got.probs_TE), before(logits_TE, 4, normalize)
+    ):
       np.testing.assert_array_equal(a, b)
 
 
@@ -137,11 +152,15 @@ def test_bias_changes_the_selection_not_the_weights(score_func):
   s = np.asarray(plain.probs_TE, np.float64)[:, [5, 6]]
   np.testing.assert_allclose(biased.weights_TK, s / s.sum(axis=1, keepdims=True), rtol=1e-6)
   assert_routing_equals_oracle(
-      biased, oracle.top_k(logits_TE, 2, score_func=score_func, bias_E=bias_E))
+    biased, oracle.top_k(logits_TE, 2, score_func=score_func, bias_E=bias_E)
+  )
+
   # No gradient reaches the bias through the selection; the logits get one.
   def loss(logits_TE, bias_E):
-    return jnp.sum(ms.top_k_routing(logits_TE, 2, score_func=score_func,
-                                    bias_E=bias_E).weights_TK[:, 0])
+    return jnp.sum(
+      ms.top_k_routing(logits_TE, 2, score_func=score_func, bias_E=bias_E).weights_TK[:, 0]
+    )
+
   d_logits, d_bias = jax.jit(jax.grad(loss, argnums=(0, 1)))(logits_TE, bias_E)
   np.testing.assert_array_equal(d_bias, 0.0)
   assert float(jnp.abs(d_logits).max()) > 1e-3
@@ -155,11 +174,11 @@ def test_sigmoid_scores_that_underflow_give_zero_weights_not_nan():
 # --------------------------------------------------------------------------- expert choice
 
 EC_CASES = {
-    "random": (normal(12, 4, 13), 3),
-    "ties": (TIES[:, :4], 5),
-    "capacity_is_all_tokens": (normal(6, 4, 14), 6),
-    "capacity_one": (normal(6, 8, 15), 1),
-    "bf16": (normal(12, 4, 16, 2.0).astype(jnp.bfloat16), 3),
+  "random": (normal(12, 4, 13), 3),
+  "ties": (TIES[:, :4], 5),
+  "capacity_is_all_tokens": (normal(6, 4, 14), 6),
+  "capacity_one": (normal(6, 8, 15), 1),
+  "bf16": (normal(12, 4, 16, 2.0).astype(jnp.bfloat16), 3),
 }
 
 
@@ -200,103 +219,162 @@ def test_sequence_balance_loss_matches_oracle():
   logits_TE = normal(12, 8, 19, 2.0)
   r = top_k_routing(logits_TE, 2, score_func="sigmoid")
   got = jax.jit(ms.sequence_balance_loss, static_argnums=1)(r, 4)
-  np.testing.assert_allclose(got, oracle.sequence_loss(r.experts_TK, r.probs_TE, 4),
-                             rtol=1e-6)
+  np.testing.assert_allclose(got, oracle.sequence_loss(r.experts_TK, r.probs_TE, 4), rtol=1e-6)
   # Balanced in every sequence (each expert chosen once per 4 tokens x 2 slots): 1.0.
   experts_TK = np.array([[0, 1], [2, 3], [4, 5], [6, 7]] * 3)
   balanced = ms.Routing(jnp.ones((12, 2)), jnp.asarray(experts_TK, jnp.int32), r.probs_TE)
   np.testing.assert_allclose(ms.sequence_balance_loss(balanced, 4), 1.0, rtol=1e-6)
-  np.testing.assert_allclose(ms.load_balancing_loss(balanced), oracle.switch_loss(
-      experts_TK, r.probs_TE), rtol=1e-6)
+  np.testing.assert_allclose(
+    ms.load_balancing_loss(balanced), oracle.switch_loss(experts_TK, r.probs_TE), rtol=1e-6
+  )
 
 
 # --------------------------------------------------------------------------- errors
 
 TOP_K_ERRORS = [
-    (dict(score_func="relu"), ValueError,
-     "top_k_routing: score_func must be one of ('softmax', 'sigmoid') (got 'relu')"),
-    (dict(num_groups=3), ValueError, "top_k_routing: E (8) must be divisible by num_groups (3)"),
-    (dict(num_groups=0), ValueError, "top_k_routing: num_groups must be in [1, 8] (got 0)"),
-    (dict(num_groups=2.0), TypeError, "top_k_routing: num_groups must be an int (got float)"),
-    (dict(num_groups=4, top_k_groups=0), ValueError,
-     "top_k_routing: top_k_groups must be in [1, 4] (got 0)"),
-    (dict(num_groups=4, top_k_groups=5), ValueError,
-     "top_k_routing: top_k_groups must be in [1, 4] (got 5)"),
-    (dict(num_groups=4, top_k_groups=1), ValueError,
-     "top_k_routing: k must be <= top_k_groups * E / num_groups = 2 (got 3)"),
-    (dict(bias_E=np.zeros(7, np.float32)), ValueError,
-     "top_k_routing: bias_E must have shape (8,) (got (7,))"),
-    (dict(bias_E=np.zeros((1, 8), np.float32)), ValueError,
-     "top_k_routing: bias_E must be 1-D (got shape (1, 8))"),
-    (dict(bias_E=np.zeros(8, np.int32)), TypeError,
-     "top_k_routing: bias_E must have a floating-point dtype (got int32)"),
-    (dict(scaling=0.0), ValueError, "top_k_routing: scaling must be finite and > 0 (got 0.0)"),
-    (dict(scaling="2"), TypeError, "top_k_routing: scaling must be a real number (got '2')"),
+  (
+    dict(score_func="relu"),
+    ValueError,
+    "top_k_routing: score_func must be one of ('softmax', 'sigmoid') (got 'relu')",
+  ),
+  (dict(num_groups=3), ValueError, "top_k_routing: E (8) must be divisible by num_groups (3)"),
+  (dict(num_groups=0), ValueError, "top_k_routing: num_groups must be in [1, 8] (got 0)"),
+  (dict(num_groups=2.0), TypeError, "top_k_routing: num_groups must be an int (got float)"),
+  (
+    dict(num_groups=4, top_k_groups=0),
+    ValueError,
+    "top_k_routing: top_k_groups must be in [1, 4] (got 0)",
+  ),
+  (
+    dict(num_groups=4, top_k_groups=5),
+    ValueError,
+    "top_k_routing: top_k_groups must be in [1, 4] (got 5)",
+  ),
+  (
+    dict(num_groups=4, top_k_groups=1),
+    ValueError,
+    "top_k_routing: k must be <= top_k_groups * E / num_groups = 2 (got 3)",
+  ),
+  (
+    dict(bias_E=np.zeros(7, np.float32)),
+    ValueError,
+    "top_k_routing: bias_E must have shape (8,) (got (7,))",
+  ),
+  (
+    dict(bias_E=np.zeros((1, 8), np.float32)),
+    ValueError,
+    "top_k_routing: bias_E must be 1-D (got shape (1, 8))",
+  ),
+  (
+    dict(bias_E=np.zeros(8, np.int32)),
+    TypeError,
+    "top_k_routing: bias_E must have a floating-point dtype (got int32)",
+  ),
+  (dict(scaling=0.0), ValueError, "top_k_routing: scaling must be finite and > 0 (got 0.0)"),
+  (dict(scaling="2"), TypeError, "top_k_routing: scaling must be a real number (got '2')"),
 ]
 
 
-@pytest.mark.parametrize("kwargs, error, match", TOP_K_ERRORS,
-                         ids=[",".join(f"{k}={v!r}"[:24] for k, v in c[0].items())
-                              for c in TOP_K_ERRORS])
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  TOP_K_ERRORS,
+  ids=[",".join(f"{k}={v!r}"[:24] for k, v in c[0].items()) for c in TOP_K_ERRORS],
+)
 def test_top_k_routing_bad_arguments(kwargs, error, match):
   with pytest.raises(error, match="^" + re.escape(match)):
     trace(ms.top_k_routing, np.zeros((5, 8), np.float32), 3, **kwargs)
 
 
-@pytest.mark.parametrize("capacity, error, match", [
+@pytest.mark.parametrize(
+  "capacity, error, match",
+  [
     (0, ValueError, "expert_choice_routing: capacity must be in [1, 5] (got 0)"),
     (6, ValueError, "expert_choice_routing: capacity must be in [1, 5] (got 6)"),
     (2.0, TypeError, "expert_choice_routing: capacity must be an int (got float)"),
-])
+  ],
+)
 def test_expert_choice_bad_capacity(capacity, error, match):
   with pytest.raises(error, match="^" + re.escape(match)):
     trace(ms.expert_choice_routing, np.zeros((5, 8), np.float32), capacity)
-  with pytest.raises(ValueError, match=re.escape(
-      "expert_choice_routing: logits_TE must be 2-D (got shape (5,))")):
+  with pytest.raises(
+    ValueError, match=re.escape("expert_choice_routing: logits_TE must be 2-D (got shape (5,))")
+  ):
     trace(ms.expert_choice_routing, np.zeros((5,), np.float32), 1)
 
 
 def test_sequence_balance_loss_bad_seq_len():
-  r = ms.Routing(np.ones((6, 2), np.float32), np.zeros((6, 2), np.int32),
-                 np.ones((6, 4), np.float32))
-  with pytest.raises(ValueError, match=re.escape(
-      "sequence_balance_loss: tokens (6) must be divisible by seq_len (4)")):
+  r = ms.Routing(
+    np.ones((6, 2), np.float32), np.zeros((6, 2), np.int32), np.ones((6, 4), np.float32)
+  )
+  with pytest.raises(
+    ValueError,
+    match=re.escape("sequence_balance_loss: tokens (6) must be divisible by seq_len (4)"),
+  ):
     trace(ms.sequence_balance_loss, r, 4)
 
 
 CONFIG = dict(d_model=4, d_ff=4, num_experts=8, top_k=2)
 BAD_CONFIGS = [
-    (dict(score_func="tanh"), ValueError,
-     "MoEConfig: score_func must be one of ('softmax', 'sigmoid') (got 'tanh')"),
-    (dict(num_groups=0), ValueError, "MoEConfig: num_groups must be >= 1 (got 0)"),
-    (dict(num_groups=3), ValueError,
-     "MoEConfig: num_experts (8) must be divisible by num_groups (3)"),
-    (dict(num_groups=4, top_k_groups=5), ValueError,
-     "MoEConfig: top_k_groups must be <= num_groups (4) (got 5)"),
-    (dict(num_groups=4, top_k_groups=0), ValueError,
-     "MoEConfig: top_k_groups must be >= 1 (got 0)"),
-    (dict(num_groups=8, top_k_groups=1), ValueError,
-     "MoEConfig: top_k must be <= top_k_groups * num_experts / num_groups (1) (got 2)"),
-    (dict(routed_scaling=-1.0), ValueError,
-     "MoEConfig: routed_scaling must be finite and > 0 (got -1.0)"),
-    (dict(bias_balancing=1), TypeError, "MoEConfig: bias_balancing must be a bool (got 1)"),
-    (dict(routing_groups=0), ValueError, "MoEConfig: routing_groups must be >= 1 (got 0)"),
-    (dict(router="token_choice"), ValueError, "MoEConfig: router must be one of ('top_k', "
-     "'expert_choice') or a callable (got 'token_choice')"),
-    (dict(router="expert_choice", bias_balancing=True), ValueError,
-     "MoEConfig: bias_balancing must be False with router 'expert_choice' (a top_k router "
-     "field) (got True)"),
-    (dict(router="expert_choice", score_func="sigmoid"), ValueError,
-     "MoEConfig: score_func must be 'softmax' with router 'expert_choice' (a top_k router "
-     "field) (got 'sigmoid')"),
-    (dict(router="expert_choice", num_groups=2), ValueError,
-     "MoEConfig: num_groups must be 1 with router 'expert_choice'"),
+  (
+    dict(score_func="tanh"),
+    ValueError,
+    "MoEConfig: score_func must be one of ('softmax', 'sigmoid') (got 'tanh')",
+  ),
+  (dict(num_groups=0), ValueError, "MoEConfig: num_groups must be >= 1 (got 0)"),
+  (
+    dict(num_groups=3),
+    ValueError,
+    "MoEConfig: num_experts (8) must be divisible by num_groups (3)",
+  ),
+  (
+    dict(num_groups=4, top_k_groups=5),
+    ValueError,
+    "MoEConfig: top_k_groups must be <= num_groups (4) (got 5)",
+  ),
+  (dict(num_groups=4, top_k_groups=0), ValueError, "MoEConfig: top_k_groups must be >= 1 (got 0)"),
+  (
+    dict(num_groups=8, top_k_groups=1),
+    ValueError,
+    "MoEConfig: top_k must be <= top_k_groups * num_experts / num_groups (1) (got 2)",
+  ),
+  (
+    dict(routed_scaling=-1.0),
+    ValueError,
+    "MoEConfig: routed_scaling must be finite and > 0 (got -1.0)",
+  ),
+  (dict(bias_balancing=1), TypeError, "MoEConfig: bias_balancing must be a bool (got 1)"),
+  (dict(routing_groups=0), ValueError, "MoEConfig: routing_groups must be >= 1 (got 0)"),
+  (
+    dict(router="token_choice"),
+    ValueError,
+    "MoEConfig: router must be one of ('top_k', "
+    "'expert_choice') or a callable (got 'token_choice')",
+  ),
+  (
+    dict(router="expert_choice", bias_balancing=True),
+    ValueError,
+    "MoEConfig: bias_balancing must be False with router 'expert_choice' (a top_k router "
+    "field) (got True)",
+  ),
+  (
+    dict(router="expert_choice", score_func="sigmoid"),
+    ValueError,
+    "MoEConfig: score_func must be 'softmax' with router 'expert_choice' (a top_k router "
+    "field) (got 'sigmoid')",
+  ),
+  (
+    dict(router="expert_choice", num_groups=2),
+    ValueError,
+    "MoEConfig: num_groups must be 1 with router 'expert_choice'",
+  ),
 ]
 
 
-@pytest.mark.parametrize("overrides, error, match", BAD_CONFIGS,
-                         ids=[",".join(f"{k}={v!r}" for k, v in c[0].items())
-                              for c in BAD_CONFIGS])
+@pytest.mark.parametrize(
+  "overrides, error, match",
+  BAD_CONFIGS,
+  ids=[",".join(f"{k}={v!r}" for k, v in c[0].items()) for c in BAD_CONFIGS],
+)
 def test_config_rejects(overrides, error, match):
   with pytest.raises(error, match="^" + re.escape(match)):
     ms.MoEConfig(**CONFIG, **overrides)
@@ -304,10 +382,22 @@ def test_config_rejects(overrides, error, match):
 
 def test_config_defaults_and_deepseek_like():
   cfg = ms.MoEConfig(**CONFIG)
-  assert (cfg.score_func, cfg.num_groups, cfg.top_k_groups, cfg.routed_scaling,
-          cfg.bias_balancing, cfg.routing_groups) == ("softmax", 1, None, 1.0, False, None)
-  ds = ms.MoEConfig(**CONFIG, score_func="sigmoid", num_groups=4, top_k_groups=2,
-                    routed_scaling=2.5, bias_balancing=True)
+  assert (
+    cfg.score_func,
+    cfg.num_groups,
+    cfg.top_k_groups,
+    cfg.routed_scaling,
+    cfg.bias_balancing,
+    cfg.routing_groups,
+  ) == ("softmax", 1, None, 1.0, False, None)
+  ds = ms.MoEConfig(
+    **CONFIG,
+    score_func="sigmoid",
+    num_groups=4,
+    top_k_groups=2,
+    routed_scaling=2.5,
+    bias_balancing=True,
+  )
   assert hash(ds) == hash(dataclasses.replace(ds))
   assert ms.moe_param_shapes(ds).router_bias == jax.ShapeDtypeStruct((8,), jnp.float32)
   assert ms.moe_param_specs(ds).router_bias == jax.sharding.PartitionSpec(None)
@@ -322,6 +412,8 @@ def test_num_routing_groups():
   assert ms.num_routing_groups(cfg, 24, mesh) == 8
   assert ms.num_routing_groups(cfg, 20, mesh) == 1  # tokens do not divide the mesh
   assert ms.num_routing_groups(dataclasses.replace(cfg, routing_groups=3), 24, mesh) == 3
-  with pytest.raises(ValueError, match=re.escape(
-      "moe_layer: tokens B*S (20) must be divisible by routing_groups (3)")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape("moe_layer: tokens B*S (20) must be divisible by routing_groups (3)"),
+  ):
     ms.num_routing_groups(dataclasses.replace(cfg, routing_groups=3), 20)

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import trace
 
 import moe_shard as ms
-from cases import trace
 
 # Jitted once: one compile per shape instead of one per primitive in eager mode.
 top_k_routing = jax.jit(ms.top_k_routing, static_argnums=1, static_argnames="normalize")
@@ -45,18 +45,16 @@ def test_top_k_routing_shapes_dtypes_and_choice(k, dtype):
   np.testing.assert_allclose(r.probs_TE, probs, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(np.sum(r.weights_TK, axis=1), 1.0, rtol=1e-6)
   picked = np.take_along_axis(probs, want_experts, axis=1)
-  np.testing.assert_allclose(r.weights_TK, picked / picked.sum(axis=1, keepdims=True),
-                             rtol=1e-6)
+  np.testing.assert_allclose(r.weights_TK, picked / picked.sum(axis=1, keepdims=True), rtol=1e-6)
 
 
 def test_top_k_routing_unnormalized_weights_are_the_probabilities():
   logits_TE = _distinct_logits(7, 5, seed=0)
   r = top_k_routing(logits_TE, 2, normalize=False)
-  np.testing.assert_array_equal(r.weights_TK,
-                                np.take_along_axis(r.probs_TE, r.experts_TK, axis=1))
+  np.testing.assert_array_equal(r.weights_TK, np.take_along_axis(r.probs_TE, r.experts_TK, axis=1))
   np.testing.assert_allclose(
-      r.weights_TK, np.take_along_axis(_softmax64(logits_TE), r.experts_TK, axis=1),
-      rtol=1e-6)
+    r.weights_TK, np.take_along_axis(_softmax64(logits_TE), r.experts_TK, axis=1), rtol=1e-6
+  )
   assert np.all(np.sum(r.weights_TK, axis=1) < 1.0)
 
 
@@ -93,8 +91,7 @@ def test_load_balancing_loss_is_one_when_balanced():
   assert float(load_balancing_loss(_routing(experts_TK, uniform))) == 1.0
   # f_e = 1/E for all e gives E * sum_e P_e / E = 1 whatever the probabilities.
   skewed = _softmax64(np.random.default_rng(0).normal(size=(8, 4)) * 3)
-  np.testing.assert_allclose(load_balancing_loss(_routing(experts_TK, skewed)), 1.0,
-                             rtol=1e-6)
+  np.testing.assert_allclose(load_balancing_loss(_routing(experts_TK, skewed)), 1.0, rtol=1e-6)
 
 
 def test_load_balancing_loss_is_e_when_all_to_one_expert():
@@ -104,10 +101,8 @@ def test_load_balancing_loss_is_e_when_all_to_one_expert():
   loss = load_balancing_loss(_routing(np.full((T, 1), 3), one_hot))
   assert float(loss) == E
   # Through the router: logits that put (almost) all the mass on expert 3.
-  logits_TE = jnp.asarray(np.where(np.arange(E) == 3, 30.0, 0.0) * np.ones((T, 1)),
-                          jnp.float32)
-  np.testing.assert_allclose(load_balancing_loss(top_k_routing(logits_TE, 1)), E,
-                             rtol=1e-6)
+  logits_TE = jnp.asarray(np.where(np.arange(E) == 3, 30.0, 0.0) * np.ones((T, 1)), jnp.float32)
+  np.testing.assert_allclose(load_balancing_loss(top_k_routing(logits_TE, 1)), E, rtol=1e-6)
 
 
 def test_load_balancing_loss_gradient_flows_to_logits():
@@ -140,33 +135,45 @@ def test_router_z_loss_matches_numpy(dtype):
   np.testing.assert_allclose(grad, 2 * lse[:, None] * _softmax64(logits_TE) / 9, rtol=1e-4)
 
 
-@pytest.mark.parametrize("k, error, match", [
+@pytest.mark.parametrize(
+  "k, error, match",
+  [
     (0, ValueError, "top_k_routing: k must be in [1, 6] (got 0)"),
     (7, ValueError, "top_k_routing: k must be in [1, 6] (got 7)"),
     (-1, ValueError, "top_k_routing: k must be in [1, 6] (got -1)"),
     (2.0, TypeError, "top_k_routing: k must be an int (got float)"),
     (True, TypeError, "top_k_routing: k must be an int (got bool)"),
     (None, TypeError, "top_k_routing: k must be an int (got NoneType)"),
-])
+  ],
+)
 def test_top_k_routing_bad_k(k, error, match):
   logits_TE = jnp.zeros((3, 6), jnp.float32)
   with pytest.raises(error, match=re.escape(match)):
     trace(ms.top_k_routing, logits_TE, k)
 
 
-@pytest.mark.parametrize("fn, args", [
+@pytest.mark.parametrize(
+  "fn, args",
+  [
     (ms.top_k_routing, (2,)),
     (ms.router_z_loss, ()),
-], ids=["top_k_routing", "router_z_loss"])
-@pytest.mark.parametrize("logits, error, match", [
+  ],
+  ids=["top_k_routing", "router_z_loss"],
+)
+@pytest.mark.parametrize(
+  "logits, error, match",
+  [
     (np.zeros((6,), np.float32), ValueError, "logits_TE must be 2-D (got shape (6,))"),
-    (np.zeros((2, 3, 6), np.float32), ValueError,
-     "logits_TE must be 2-D (got shape (2, 3, 6))"),
-    (np.zeros((3, 6), np.int32), TypeError,
-     "logits_TE must have a floating-point dtype (got int32)"),
-    (np.zeros((3, 6), bool), TypeError,
-     "logits_TE must have a floating-point dtype (got bool)"),
-], ids=["1d", "3d", "int", "bool"])
+    (np.zeros((2, 3, 6), np.float32), ValueError, "logits_TE must be 2-D (got shape (2, 3, 6))"),
+    (
+      np.zeros((3, 6), np.int32),
+      TypeError,
+      "logits_TE must have a floating-point dtype (got int32)",
+    ),
+    (np.zeros((3, 6), bool), TypeError, "logits_TE must have a floating-point dtype (got bool)"),
+  ],
+  ids=["1d", "3d", "int", "bool"],
+)
 def test_bad_logits(fn, args, logits, error, match):
   with pytest.raises(error, match=re.escape(f"{fn.__name__}: {match}")):
     trace(fn, logits, *args)

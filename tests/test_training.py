@@ -20,16 +20,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cases import FAST_COMPILE
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from cases import FAST_COMPILE
 
 V, S, D, H, B, LAYERS, STEPS = 16, 16, 32, 2, 8, 2, 100
-MOE = ms.MoEConfig(d_model=D, d_ff=2 * D, num_experts=8, top_k=2, num_shared_experts=1,
-                   shared_d_ff=D, load_balance_coef=0.05, z_loss_coef=1e-3,
-                   gmm_impl="ragged_dot")  # lax.ragged_dot compiles faster than "tiled"
+MOE = ms.MoEConfig(
+  d_model=D,
+  d_ff=2 * D,
+  num_experts=8,
+  top_k=2,
+  num_shared_experts=1,
+  shared_d_ff=D,
+  load_balance_coef=0.05,
+  z_loss_coef=1e-3,
+  gmm_impl="ragged_dot",
+)  # lax.ragged_dot compiles faster than "tiled"
 LEARNING_RATE = 1e-2
 
 
@@ -44,29 +52,31 @@ def init_model(seed, mesh=None):
     return jnp.asarray(rng.normal(size=shape) / np.sqrt(fan_in), jnp.float32)
 
   dense = dict(
-      embed_VD=normal(V, D, fan_in=1), pos_SD=normal(S, D, fan_in=1),
-      unembed_DV=jnp.zeros((D, V)), norm_D=jnp.ones((D,)),
-      # One entry per layer, stacked on axis 0 (L) for the scan; K = D / H per head.
-      wq_LDHK=normal(LAYERS, D, H, D // H, fan_in=D),
-      wk_LDHK=normal(LAYERS, D, H, D // H, fan_in=D),
-      wv_LDHK=normal(LAYERS, D, H, D // H, fan_in=D),
-      wo_LHKD=normal(LAYERS, H, D // H, D, fan_in=D),
-      norm1_LD=jnp.ones((LAYERS, D)), norm2_LD=jnp.ones((LAYERS, D)))
+    embed_VD=normal(V, D, fan_in=1),
+    pos_SD=normal(S, D, fan_in=1),
+    unembed_DV=jnp.zeros((D, V)),
+    norm_D=jnp.ones((D,)),
+    # One entry per layer, stacked on axis 0 (L) for the scan; K = D / H per head.
+    wq_LDHK=normal(LAYERS, D, H, D // H, fan_in=D),
+    wk_LDHK=normal(LAYERS, D, H, D // H, fan_in=D),
+    wv_LDHK=normal(LAYERS, D, H, D // H, fan_in=D),
+    wo_LHKD=normal(LAYERS, H, D // H, D, fan_in=D),
+    norm1_LD=jnp.ones((LAYERS, D)),
+    norm2_LD=jnp.ones((LAYERS, D)),
+  )
   keys = jax.random.split(jax.random.key(seed), LAYERS)
-  moe = jax.tree.map(lambda *a: jnp.stack(a),
-                     *[ms.init_moe_params(k, MOE, mesh) for k in keys])
+  moe = jax.tree.map(lambda *a: jnp.stack(a), *[ms.init_moe_params(k, MOE, mesh) for k in keys])
   if mesh is not None:
     dense = jax.device_put(dense, NamedSharding(mesh, P()))
   return dict(dense=dense, moe=moe)
 
 
 def rms_norm(x_BSD, scale_D):
-  return x_BSD * jax.lax.rsqrt(jnp.mean(x_BSD ** 2, axis=-1, keepdims=True) + 1e-6) * scale_D
+  return x_BSD * jax.lax.rsqrt(jnp.mean(x_BSD**2, axis=-1, keepdims=True) + 1e-6) * scale_D
 
 
 def attention(x_BSD, wq_DHK, wk_DHK, wv_DHK, wo_HKD):
-  q_BSHK, k_BSHK, v_BSHK = (jnp.einsum("bsd,dhk->bshk", x_BSD, w)
-                            for w in (wq_DHK, wk_DHK, wv_DHK))
+  q_BSHK, k_BSHK, v_BSHK = (jnp.einsum("bsd,dhk->bshk", x_BSD, w) for w in (wq_DHK, wk_DHK, wv_DHK))
   logits_BHST = jnp.einsum("bshk,bthk->bhst", q_BSHK, k_BSHK) / np.sqrt(q_BSHK.shape[-1])
   causal_ST = np.tril(np.ones((S, S), bool))
   probs_BHST = jax.nn.softmax(jnp.where(causal_ST, logits_BHST, -1e9), axis=-1)
@@ -80,8 +90,9 @@ def forward(params, tokens_BS, cfg, mesh):
 
   def block(x_BSD, layer):
     ld, moe = layer
-    x_BSD = x_BSD + attention(rms_norm(x_BSD, ld["norm1_LD"]), ld["wq_LDHK"], ld["wk_LDHK"],
-                              ld["wv_LDHK"], ld["wo_LHKD"])
+    x_BSD = x_BSD + attention(
+      rms_norm(x_BSD, ld["norm1_LD"]), ld["wq_LDHK"], ld["wk_LDHK"], ld["wv_LDHK"], ld["wo_LHKD"]
+    )
     y_BSD, aux = ms.moe_layer(moe, rms_norm(x_BSD, ld["norm2_LD"]), cfg, mesh)
     return x_BSD + y_BSD, aux
 
@@ -103,10 +114,12 @@ def batches(seed):
 
 def loss_of(cfg, mesh):
   """The training loss of the model with `cfg` on `mesh`: (loss, (cross-entropy, load))."""
+
   def loss_fn(params, tokens_BS):
     logits_BSV, aux = forward(params, tokens_BS, cfg, mesh)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BSV[:, :-1], tokens_BS[:, 1:])
     return jnp.mean(ce) + jnp.sum(aux["aux_loss"]), (jnp.mean(ce), aux["expert_load"])
+
   return loss_fn
 
 
@@ -118,9 +131,13 @@ def train(cfg, mesh=None, seed=0, reference_cfg=None):
   opt = optax.adam(LEARNING_RATE)
   state = opt.init(params)
   loss_fn = loss_of(cfg, mesh)
-  reference = (None if reference_cfg is None else
-               jax.jit(lambda p, t: loss_of(reference_cfg, None)(p, t)[1][0],
-                       compiler_options=FAST_COMPILE))
+  reference = (
+    None
+    if reference_cfg is None
+    else jax.jit(
+      lambda p, t: loss_of(reference_cfg, None)(p, t)[1][0], compiler_options=FAST_COMPILE
+    )
+  )
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=FAST_COMPILE)
   def step(params, state, tokens_BS):
@@ -156,8 +173,11 @@ def train(cfg, mesh=None, seed=0, reference_cfg=None):
 def runs():
   one = train(dataclasses.replace(MOE, impl="ragged_dot"))
   mesh = jax.make_mesh((2, 4), (ms.DATA, ms.EXPERT))
-  *sharded, reference = train(dataclasses.replace(MOE, impl="all_to_all"), mesh,
-                              reference_cfg=dataclasses.replace(MOE, impl="ragged_dot"))
+  *sharded, reference = train(
+    dataclasses.replace(MOE, impl="all_to_all"),
+    mesh,
+    reference_cfg=dataclasses.replace(MOE, impl="ragged_dot"),
+  )
   return dict(one_device=one, mesh=tuple(sharded), reference=reference)
 
 
@@ -190,7 +210,8 @@ def test_one_device_and_mesh_agree(runs):
   print(f"max per-step |loss difference| {diff.max():.2e} (step {diff.argmax()})")
   off = diff > 1e-5 + 1e-5 * np.abs(runs["reference"])
   assert off.sum() <= 1 and diff.max() < 2e-3, (
-      f"steps {np.flatnonzero(off).tolist()} differ: {diff[off]}")
+    f"steps {np.flatnonzero(off).tolist()} differ: {diff[off]}"
+  )
 
 
 @pytest.mark.parametrize("run", ["one_device", "mesh"])

@@ -11,15 +11,22 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+from cases import FAST_COMPILE
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from cases import FAST_COMPILE
 
 B, S, D, F, E, K, LAYERS, STEPS = 8, 4, 8, 16, 8, 2, 2, 4
-CFG = ms.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, num_shared_experts=1,
-                   shared_d_ff=D, gmm_impl="ragged_dot")  # ragged_dot compiles fast on CPU
+CFG = ms.MoEConfig(
+  d_model=D,
+  d_ff=F,
+  num_experts=E,
+  top_k=K,
+  num_shared_experts=1,
+  shared_d_ff=D,
+  gmm_impl="ragged_dot",
+)  # ragged_dot compiles fast on CPU
 LEARNING_RATE = 1e-2
 
 
@@ -32,12 +39,16 @@ def batches(mesh):
   """STEPS (x_BSD, target_BSD) pairs, split over both mesh axes."""
   keys = jax.random.split(jax.random.key(42), 2 * STEPS)
   sharding = NamedSharding(mesh, P((ms.DATA, ms.EXPERT)))
-  return [tuple(jax.device_put(jax.random.normal(k, (B, S, D)), sharding)
-                for k in keys[2 * i:2 * i + 2]) for i in range(STEPS)]
+  return [
+    tuple(
+      jax.device_put(jax.random.normal(k, (B, S, D)), sharding) for k in keys[2 * i : 2 * i + 2]
+    )
+    for i in range(STEPS)
+  ]
 
 
 def rms_norm(x_BSD):
-  return x_BSD * jax.lax.rsqrt(jnp.mean(x_BSD ** 2, axis=-1, keepdims=True) + 1e-6)
+  return x_BSD * jax.lax.rsqrt(jnp.mean(x_BSD**2, axis=-1, keepdims=True) + 1e-6)
 
 
 def functional_loss(moe_L, scale_LD, x_BSD, target_BSD, mesh):

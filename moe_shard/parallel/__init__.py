@@ -19,8 +19,19 @@ Modules: `common.py` (the layout of a call and its input checks and placement),
 
 from moe_shard.parallel.all_gather import moe_all_gather
 from moe_shard.parallel.all_to_all import OVERFLOW_SCOPE, moe_all_to_all
-from moe_shard.parallel.ragged import (RAGGED_PLATFORMS, RAGGED_SCOPE, moe_ragged_all_to_all,
-                                       ragged_all_to_all_emulated)
+from moe_shard.parallel.ragged import (
+  RAGGED_PLATFORMS,
+  RAGGED_SCOPE,
+  moe_ragged_all_to_all,
+  ragged_all_to_all_emulated,
+)
 
-__all__ = ["OVERFLOW_SCOPE", "RAGGED_PLATFORMS", "RAGGED_SCOPE", "moe_all_gather",
-           "moe_all_to_all", "moe_ragged_all_to_all", "ragged_all_to_all_emulated"]
+__all__ = [
+  "OVERFLOW_SCOPE",
+  "RAGGED_PLATFORMS",
+  "RAGGED_SCOPE",
+  "moe_all_gather",
+  "moe_all_to_all",
+  "moe_ragged_all_to_all",
+  "ragged_all_to_all_emulated",
+]

@@ -8,17 +8,16 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_shard import _checks, local
-from moe_shard.remat import MOE_DISPATCH_RECV
-from moe_shard.sharding import (EXPERT, resolve_mesh, trim, vary_over)
-
 from moe_shard.parallel.common import _prepare, shard_map
-
+from moe_shard.remat import MOE_DISPATCH_RECV
+from moe_shard.sharding import EXPERT, resolve_mesh, trim, vary_over
 
 # --------------------------------------------------------------------------- all_gather
 
 
-def moe_all_gather(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT,
-                   gmm_impl="auto"):
+def moe_all_gather(
+  x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT, gmm_impl="auto"
+):
   """Expert-parallel MoE: all_gather tokens, compute local experts, reduce-scatter.
 
   Each device gathers the tokens, expert ids and weights of the N devices on its expert
@@ -49,20 +48,22 @@ def moe_all_gather(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXP
   """
   expert_axis = _checks.expert_axis_field("moe_all_gather", expert_axis)
   mesh = resolve_mesh("moe_all_gather", mesh, expert_axis, required=True)
-  return _all_gather_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
-                         gmm_impl=gmm_impl)
+  return _all_gather_jit(
+    x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis, gmm_impl=gmm_impl
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "gmm_impl"))
 def _all_gather_jit(x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl):
   # Jitted so that a call outside jit does not run the shard_map body op by op.
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
-      "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis)
+    "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis
+  )
   body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
   tok = lay.token_spec
-  y_TF = shard_map(body, mesh,
-                   in_specs=(tok, jax.tree.map(lambda _: lay.ffn_spec, ffn), tok, tok),
-                   out_specs=tok)(x_TD, ffn, experts_TK, weights_TK)
+  y_TF = shard_map(
+    body, mesh, in_specs=(tok, jax.tree.map(lambda _: lay.ffn_spec, ffn), tok, tok), out_specs=tok
+  )(x_TD, ffn, experts_TK, weights_TK)
   return trim(y_TF, mesh, lay.tokens)
 
 
@@ -73,14 +74,14 @@ def _all_gather_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, gmm_impl):
   ffn_L = vary_over(ffn_L, lay.other_axes)
   # Every device receives the tokens, ids and weights of all N devices on its expert axis.
   with jax.named_scope("all_gather"):
-    x_MD, experts_MK, weights_MK = (jax.lax.all_gather(a, axis, axis=0, tiled=True)
-                                    for a in (x_TD, experts_TK, weights_TK))
+    x_MD, experts_MK, weights_MK = (
+      jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x_TD, experts_TK, weights_TK)
+    )
     x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
   with jax.named_scope("local_experts"):
     local_MK = experts_MK - jax.lax.axis_index(axis) * L  # outside [0, L): not ours, zero
     y_MF = local.ragged_combine(x_MD, ffn_L, L, local_MK, weights_MK, gmm_impl)
   # Each device receives, summed over the N devices, the partial outputs of its own tokens.
   with jax.named_scope("reduce_scatter"):
-    y_TF = jax.lax.psum_scatter(y_MF.astype(x_TD.dtype), axis, scatter_dimension=0,
-                                tiled=True)
+    y_TF = jax.lax.psum_scatter(y_MF.astype(x_TD.dtype), axis, scatter_dimension=0, tiled=True)
   return y_TF

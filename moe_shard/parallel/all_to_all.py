@@ -10,13 +10,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from moe_shard import _checks, local, plan as plan_lib
-from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard import _checks, local
+from moe_shard import plan as plan_lib
 from moe_shard.balance import expert_load
+from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.parallel.common import _prepare, run_on_mesh
 from moe_shard.remat import MOE_DISPATCH_RECV
 from moe_shard.sharding import EXPERT, axis_size, resolve_mesh, vary_over
-
-from moe_shard.parallel.common import _prepare, run_on_mesh
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
 
@@ -24,8 +24,18 @@ OVERFLOW_SCOPE = "a2a_overflow_rounds"
 # --------------------------------------------------------------------------- all_to_all
 
 
-def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT,
-                   chunk_size=None, return_stats=False, gmm_impl="auto"):
+def moe_all_to_all(
+  x_TD,
+  w,
+  experts,
+  weights=None,
+  *,
+  mesh=None,
+  expert_axis=EXPERT,
+  chunk_size=None,
+  return_stats=False,
+  gmm_impl="auto",
+):
   """Expert-parallel MoE: dropless chunked all_to_all dispatch, compute, and return.
 
   Each device sorts its T*K (token, slot) items by destination device. Round 0 sends the
@@ -75,31 +85,39 @@ def moe_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXP
   expert_axis = _checks.expert_axis_field("moe_all_to_all", expert_axis)
   mesh = resolve_mesh("moe_all_to_all", mesh, expert_axis, required=True)
   chunk_size = _checks.chunk_size_field("moe_all_to_all", chunk_size)
-  out = _all_to_all_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
-                        chunk_size=chunk_size, return_stats=bool(return_stats),
-                        gmm_impl=gmm_impl)
+  out = _all_to_all_jit(
+    x_TD,
+    w,
+    experts,
+    weights,
+    mesh=mesh,
+    expert_axis=expert_axis,
+    chunk_size=chunk_size,
+    return_stats=bool(return_stats),
+    gmm_impl=gmm_impl,
+  )
   if not return_stats:
     return out
   y_TF, stats = out
   T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
-  chunks = plan_lib.default_chunks(-(-T // mesh.size), K, axis_size(mesh, expert_axis),
-                                   chunk_size)
+  chunks = plan_lib.default_chunks(-(-T // mesh.size), K, axis_size(mesh, expert_axis), chunk_size)
   return y_TF, dict(stats, chunk_first=chunks.first, chunk_overflow=chunks.overflow)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "chunk_size",
-                                             "return_stats", "gmm_impl"))
-def _all_to_all_jit(x_TD, w, experts, weights, *, mesh, expert_axis, chunk_size,
-                    return_stats, gmm_impl):
+@functools.partial(
+  jax.jit, static_argnames=("mesh", "expert_axis", "chunk_size", "return_stats", "gmm_impl")
+)
+def _all_to_all_jit(
+  x_TD, w, experts, weights, *, mesh, expert_axis, chunk_size, return_stats, gmm_impl
+):
   # Jitted so that a call outside jit does not run the shard_map body op by op.
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
-      "moe_all_to_all", x_TD, w, experts, weights, mesh, expert_axis)
-  chunks = plan_lib.default_chunks(lay.padded // mesh.size, experts_TK.shape[1], lay.n,
-                                   chunk_size)
+    "moe_all_to_all", x_TD, w, experts, weights, mesh, expert_axis
+  )
+  chunks = plan_lib.default_chunks(lay.padded // mesh.size, experts_TK.shape[1], lay.n, chunk_size)
   body = functools.partial(_all_to_all_body, lay=lay, chunks=chunks, gmm_impl=gmm_impl)
   tok = lay.token_spec
-  stats_specs = dict(rounds=P(), sent_items=tok, sent_slots=tok, expert_load=P(),
-                     invalid_ids=P())
+  stats_specs = dict(rounds=P(), sent_items=tok, sent_slots=tok, expert_load=P(), invalid_ids=P())
   return run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats)
 
 
@@ -126,11 +144,11 @@ def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_im
   y_TF = _rounds(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
   sent = jnp.sum(plan.count_N)
   stats = dict(
-      rounds=rounds.astype(jnp.int32),
-      sent_items=sent[None],
-      sent_slots=(cfg.n * (chunks.first + (rounds - 1) * chunks.overflow))[None].astype(jnp.int32),
-      expert_load=jax.lax.psum(expert_load(experts_TK, lay.num_experts), lay.all_axes),
-      invalid_ids=jax.lax.psum(jnp.sum(~plan.valid_I).astype(jnp.int32), lay.all_axes),
+    rounds=rounds.astype(jnp.int32),
+    sent_items=sent[None],
+    sent_slots=(cfg.n * (chunks.first + (rounds - 1) * chunks.overflow))[None].astype(jnp.int32),
+    expert_load=jax.lax.psum(expert_load(experts_TK, lay.num_experts), lay.all_axes),
+    invalid_ids=jax.lax.psum(jnp.sum(~plan.valid_I).astype(jnp.int32), lay.all_axes),
   )
   return y_TF.astype(x_TD.dtype), stats
 
@@ -178,8 +196,12 @@ def _local_experts(cfg, x_MD, ids_M, ffn_L):
   x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
   order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, cfg.local_experts)
   rank_M = local.inverse_permutation(order_M)
-  matmul = functools.partial(grouped_matmul, group_sizes_G=group_sizes_L, impl=cfg.gmm_impl,
-                             preferred_element_type=x_MD.dtype)
+  matmul = functools.partial(
+    grouped_matmul,
+    group_sizes_G=group_sizes_L,
+    impl=cfg.gmm_impl,
+    preferred_element_type=x_MD.dtype,
+  )
   # Sorted even for one local expert: padding rows go last, past the group, and
   # XLA:TPU's ragged-dot backward fails to compile when its one group is all M rows
   # (RET_CHECK in mask_aggregator.cc, libtpu 0.0.42.1).
@@ -189,6 +211,7 @@ def _local_experts(cfg, x_MD, ids_M, ffn_L):
 
 def _loop_overflow(cfg, plan, rounds, step, acc):
   """Folds `step(acc, slots_NC)` over the overflow rounds 1 .. rounds - 1 (C_overflow)."""
+
   def cond(carry):
     return carry[0] < rounds
 
@@ -212,8 +235,9 @@ def _rounds(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
   replays each overflow round's vjp and adds it into round 0's gradients in place (no
   zero-filled parameter-sized buffers, no sum of two gradients, when the loop never runs).
   """
-  y_TF = _round(cfg, x_TD, ffn_L, weights_TK, plan_lib.round_slots(plan, 0, cfg.chunks.first),
-                local_I)
+  y_TF = _round(
+    cfg, x_TD, ffn_L, weights_TK, plan_lib.round_slots(plan, 0, cfg.chunks.first), local_I
+  )
   return _add_overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds, y_TF)
 
 
@@ -225,8 +249,9 @@ def _add_overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds, y_TF):
 
 def _rounds_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
   slots_NC = plan_lib.round_slots(plan, 0, cfg.chunks.first)
-  y_TF, vjp0 = jax.vjp(lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I),
-                       x_TD, ffn_L, weights_TK)
+  y_TF, vjp0 = jax.vjp(
+    lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I), x_TD, ffn_L, weights_TK
+  )
   y_TF = _add_overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds, y_TF)
   return y_TF, (vjp0, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
 
@@ -236,7 +261,8 @@ def _rounds_bwd(cfg, res, dy_TF):
 
   def add(acc, slots_NC):
     _, vjp = jax.vjp(
-        lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I), x_TD, ffn_L, weights_TK)
+      lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I), x_TD, ffn_L, weights_TK
+    )
     return jax.tree.map(jnp.add, acc, vjp(dy_TF))
 
   dx, dffn, dw = _loop_overflow(cfg, plan, rounds, add, vjp0(dy_TF))

@@ -9,9 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_shard import local
-from moe_shard.sharding import (axis_size, check_mesh, expert_axes, place, token_spec,
-                                trim)
-
+from moe_shard.sharding import axis_size, check_mesh, expert_axes, place, token_spec, trim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +31,11 @@ class _Layout:
     """Axes other than the expert axes, of size > 1: the expert weights are replicated over
     them, so their gradients are summed there (over an axis of size 1 there is nothing to
     sum)."""
-    return tuple(a for a in self.mesh.axis_names
-                 if a not in expert_axes(self.expert_axis) and self.mesh.shape[a] > 1)
+    return tuple(
+      a
+      for a in self.mesh.axis_names
+      if a not in expert_axes(self.expert_axis) and self.mesh.shape[a] > 1
+    )
 
   @property
   def n(self):
@@ -47,8 +48,7 @@ class _Layout:
     transposes a replicated input into a psum over the axes its spec leaves out: one
     all-reduce copying every weight gradient even over an axis of size 1."""
     split = expert_axes(self.expert_axis)
-    return P(split + tuple(a for a in self.mesh.axis_names
-                           if a not in split + self.other_axes))
+    return P(split + tuple(a for a in self.mesh.axis_names if a not in split + self.other_axes))
 
   @property
   def token_spec(self):
@@ -63,14 +63,14 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
   pad = -T % mesh.size
   if pad:  # padding tokens route nowhere (id -1) and are trimmed from the output
     # Pad replicated arrays: a T that does not divide cannot be split over the mesh.
-    x_TD, experts_TK, weights_TK = (place(a, mesh, P())
-                                    for a in (x_TD, experts_TK, weights_TK))
+    x_TD, experts_TK, weights_TK = (place(a, mesh, P()) for a in (x_TD, experts_TK, weights_TK))
     x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
     experts_TK = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1)
     weights_TK = jnp.pad(weights_TK, ((0, pad), (0, 0)))
   lay = _Layout(mesh, expert_axis, E, T, T + pad)
-  x_TD, experts_TK, weights_TK = (place(a, mesh, lay.token_spec)
-                                  for a in (x_TD, experts_TK, weights_TK))
+  x_TD, experts_TK, weights_TK = (
+    place(a, mesh, lay.token_spec) for a in (x_TD, experts_TK, weights_TK)
+  )
   ffn = jax.tree.map(lambda leaf: place(leaf, mesh, lay.ffn_spec), ffn)
   return lay, x_TD, ffn, experts_TK, weights_TK
 
@@ -89,8 +89,7 @@ def shard_map(body, mesh, in_specs, out_specs):
   output is a psum or pmax. tests/test_layer_oracle.py checks every gradient on meshes
   with a data axis against finite differences.
   """
-  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats):
@@ -102,9 +101,11 @@ def run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, retur
   """
   tok = lay.token_spec
   y_TF, stats = shard_map(
-      body, lay.mesh,
-      in_specs=(tok, jax.tree.map(lambda _: lay.ffn_spec, ffn), tok, tok),
-      out_specs=(tok, stats_specs))(x_TD, ffn, experts_TK, weights_TK)
+    body,
+    lay.mesh,
+    in_specs=(tok, jax.tree.map(lambda _: lay.ffn_spec, ffn), tok, tok),
+    out_specs=(tok, stats_specs),
+  )(x_TD, ffn, experts_TK, weights_TK)
   y_TF = trim(y_TF, lay.mesh, lay.tokens)
   if not return_stats:
     return y_TF

@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe_shard import _checks, local, plan as plan_lib
+from moe_shard import _checks, local
+from moe_shard import plan as plan_lib
 from moe_shard.grouped_matmul import grouped_matmul
-from moe_shard.sharding import EXPERT, resolve_mesh, vary_over, zeros_varying
-
 from moe_shard.parallel.common import _prepare, run_on_mesh
-
+from moe_shard.sharding import EXPERT, resolve_mesh, vary_over, zeros_varying
 
 # --------------------------------------------------------------------------- ragged_all_to_all
 
@@ -23,8 +22,17 @@ RAGGED_SCOPE = "ragged_overflow_rounds"
 RAGGED_PLATFORMS = ("tpu", "cuda", "rocm")
 
 
-def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets,
-                               recv_sizes, *, axis_name, rows_per_peer=None):
+def ragged_all_to_all_emulated(
+  operand,
+  output,
+  input_offsets,
+  send_sizes,
+  output_offsets,
+  recv_sizes,
+  *,
+  axis_name,
+  rows_per_peer=None,
+):
   """`lax.ragged_all_to_all`'s semantics from one `lax.all_to_all` of padded buffers.
 
   Each device packs the slices it sends to device n (slices n*J .. n*J + J - 1, J slices
@@ -74,16 +82,19 @@ def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outpu
   live_NP, dst_NP = unpack(recv_sizes.reshape(N, J), offsets_NJ)
   dst_NP = jnp.where(live_NP, dst_NP, output.shape[0])  # past the end: dropped
   return output.at[dst_NP.reshape(-1)].set(
-      recv_NP.reshape((-1,) + operand.shape[1:]).astype(output.dtype), mode="drop")
+    recv_NP.reshape((-1,) + operand.shape[1:]).astype(output.dtype), mode="drop"
+  )
 
 
-def _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-              axis, rows_per_peer):
+def _exchange(
+  operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis, rows_per_peer
+):
   """`lax.ragged_all_to_all` where XLA has it, `ragged_all_to_all_emulated` elsewhere.
 
   Chosen by the platform compiled for (`lax.platform_dependent`), so an ahead-of-time TPU
   compile on a CPU host holds the real primitive and no emulation.
   """
+
   def native(*args):
     return jax.lax.ragged_all_to_all(*args, axis_name=axis)
 
@@ -91,12 +102,29 @@ def _exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_s
     return ragged_all_to_all_emulated(*args, axis_name=axis, rows_per_peer=rows_per_peer)
 
   return jax.lax.platform_dependent(
-      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-      default=emulated, **{p: native for p in RAGGED_PLATFORMS})
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    default=emulated,
+    **{p: native for p in RAGGED_PLATFORMS},
+  )
 
 
-def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT,
-                          capacity=None, return_stats=False, gmm_impl="auto"):
+def moe_ragged_all_to_all(
+  x_TD,
+  w,
+  experts,
+  weights=None,
+  *,
+  mesh=None,
+  expert_axis=EXPERT,
+  capacity=None,
+  return_stats=False,
+  gmm_impl="auto",
+):
   """Expert-parallel MoE: dropless `ragged_all_to_all` dispatch, compute, and return.
 
   Each device sorts its T*K (token, slot) items by expert (so by destination device, then
@@ -153,8 +181,17 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_a
   mesh = resolve_mesh(fn, mesh, expert_axis, required=True)
   if capacity is not None:
     capacity = _checks.int_field(fn, "capacity", capacity, 1)
-  out = _ragged_jit(x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis,
-                    capacity=capacity, return_stats=bool(return_stats), gmm_impl=gmm_impl)
+  out = _ragged_jit(
+    x_TD,
+    w,
+    experts,
+    weights,
+    mesh=mesh,
+    expert_axis=expert_axis,
+    capacity=capacity,
+    return_stats=bool(return_stats),
+    gmm_impl=gmm_impl,
+  )
   if not return_stats:
     return out
   y_TF, stats = out
@@ -163,18 +200,20 @@ def moe_ragged_all_to_all(x_TD, w, experts, weights=None, *, mesh=None, expert_a
   return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.overflow)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "capacity",
-                                             "return_stats", "gmm_impl"))
-def _ragged_jit(x_TD, w, experts, weights, *, mesh, expert_axis, capacity, return_stats,
-                gmm_impl):
+@functools.partial(
+  jax.jit, static_argnames=("mesh", "expert_axis", "capacity", "return_stats", "gmm_impl")
+)
+def _ragged_jit(x_TD, w, experts, weights, *, mesh, expert_axis, capacity, return_stats, gmm_impl):
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
-      "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis)
+    "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis
+  )
   K = experts_TK.shape[1]
   rows = plan_lib.default_capacity(lay.padded // mesh.size, K, capacity)
   body = functools.partial(_ragged_body, lay=lay, rows=rows, gmm_impl=gmm_impl)
   tok = lay.token_spec
-  stats_specs = dict(rounds=P(), sent_items=tok, received_items=tok, expert_load=P(),
-                     invalid_ids=P())
+  stats_specs = dict(
+    rounds=P(), sent_items=tok, received_items=tok, expert_load=P(), invalid_ids=P()
+  )
   return run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats)
 
 
@@ -222,8 +261,7 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
     offset_NL = (jnp.cumsum(load_E) - load_E).reshape(N, -1).astype(jnp.int32)
     # Each device sends each destination its queue lengths and sorted positions for that
     # destination's experts, and receives those of every source for its own experts.
-    from_SL, recv_SL = jax.lax.all_to_all(jnp.stack([offset_NL, count_NL]), axis, 1, 1,
-                                          tiled=True)
+    from_SL, recv_SL = jax.lax.all_to_all(jnp.stack([offset_NL, count_NL]), axis, 1, 1, tiled=True)
     rstart_SL = plan_lib.receive_starts(recv_SL)
     # ... and tells each source where its queues begin in this device's receive order.
     start_NL = jax.lax.all_to_all(rstart_SL, axis, 0, 0, tiled=True)
@@ -240,11 +278,11 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
     weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)
     y_TF = local.rows_to_tokens(y_IF, index, weights_TK)
   stats = dict(
-      rounds=rounds.astype(jnp.int32),
-      sent_items=jnp.sum(count_NL)[None].astype(jnp.int32),
-      received_items=received[None].astype(jnp.int32),
-      expert_load=jax.lax.psum(load_E, lay.all_axes),
-      invalid_ids=jax.lax.psum(jnp.sum(~valid_I).astype(jnp.int32), lay.all_axes),
+    rounds=rounds.astype(jnp.int32),
+    sent_items=jnp.sum(count_NL)[None].astype(jnp.int32),
+    received_items=received[None].astype(jnp.int32),
+    expert_load=jax.lax.psum(load_E, lay.all_axes),
+    invalid_ids=jax.lax.psum(jnp.sum(~valid_I).astype(jnp.int32), lay.all_axes),
   )
   return y_TF.astype(x_TD.dtype), stats
 
@@ -273,27 +311,38 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
   # Each device sends each (destination, expert) queue's part in this window, exactly, to
   # its place in the destination's buffer; rows arrive grouped by local expert.
   with jax.named_scope("dispatch"):
-    recv_CD = exchange(x_ID, zeros_varying((C, x_ID.shape[1]), x_ID.dtype, x_ID),
-                       flat(q.offset_NL + skip_NL), flat(send_NL), flat(at_NL),
-                       flat(recv_SL))
+    recv_CD = exchange(
+      x_ID,
+      zeros_varying((C, x_ID.shape[1]), x_ID.dtype, x_ID),
+      flat(q.offset_NL + skip_NL),
+      flat(send_NL),
+      flat(at_NL),
+      flat(recv_SL),
+    )
   with jax.named_scope("local_experts"):
-    matmul = functools.partial(grouped_matmul, group_sizes_G=jnp.sum(recv_SL, axis=0),
-                               impl=cfg.gmm_impl, preferred_element_type=x_ID.dtype)
+    matmul = functools.partial(
+      grouped_matmul,
+      group_sizes_G=jnp.sum(recv_SL, axis=0),
+      impl=cfg.gmm_impl,
+      preferred_element_type=x_ID.dtype,
+    )
     out_CF = ffn_L(recv_CD, matmul)  # rows past the received: zeros
   # Each device returns the outputs to the sorted positions their items came from.
   with jax.named_scope("return"):
     if y_IF is None:
       y_IF = zeros_varying((I, out_CF.shape[1]), out_CF.dtype, out_CF)
-    return exchange(out_CF, y_IF, flat(rat_SL), flat(recv_SL), flat(q.from_SL + rskip_SL),
-                    flat(send_NL))
+    return exchange(
+      out_CF, y_IF, flat(rat_SL), flat(recv_SL), flat(q.from_SL + rskip_SL), flat(send_NL)
+    )
 
 
 def _overflow_loop(cfg, rounds, step, acc):
   """Folds `step(r, acc)` over the overflow rounds r = 1 .. rounds - 1."""
   # Named so that the benchmark can scale the loop body by rounds - 1.
   with jax.named_scope(RAGGED_SCOPE):
-    return jax.lax.while_loop(lambda c: c[0] < rounds, lambda c: (c[0] + 1, step(*c)),
-                              (jnp.ones((), jnp.int32), acc))[1]
+    return jax.lax.while_loop(
+      lambda c: c[0] < rounds, lambda c: (c[0] + 1, step(*c)), (jnp.ones((), jnp.int32), acc)
+    )[1]
 
 
 def _later_round(cfg, x_ID, ffn_L, q, r, y_IF=None):
@@ -315,13 +364,11 @@ def _ragged_rounds(cfg, x_ID, ffn_L, q, rounds):
 
 def _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF):
   """y_IF with the overflow rounds' outputs written at their items' sorted positions."""
-  return _overflow_loop(cfg, rounds,
-                        lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
+  return _overflow_loop(cfg, rounds, lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
 
 
 def _ragged_rounds_fwd(cfg, x_ID, ffn_L, q, rounds):
-  y_IF, vjp0 = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, 0, cfg.rows.first),
-                       x_ID, ffn_L)
+  y_IF, vjp0 = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, 0, cfg.rows.first), x_ID, ffn_L)
   return _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF), (vjp0, x_ID, ffn_L, q, rounds)
 
 
