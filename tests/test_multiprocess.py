@@ -142,7 +142,7 @@ def test_two_processes_match_one_process(tmp_path):
   with np.load(tmp_path / "results.npz") as f:
     got = dict(f)
   assert sorted(got) == sorted(want)
-  params, x_BSD, ct_BSD = mp_worker.case()
+  params, x_BSD, _ = mp_worker.case()
   errors = {}
   for name, w in want.items():
     assert got[name].shape == w.shape, name
@@ -240,6 +240,42 @@ def test_benchmark_cli_across_processes(tmp_path):
   out1 = (tmp_path / "out1.txt").read_text()  # gloo itself may print "[Gloo] ..." lines
   assert "moe_shard benchmark" not in out1 and "|" not in out1  # only process 0 prints ...
   assert not list(tmp_path.glob("process1.*"))  # ... and writes
-  rows = json.load(open(tmp_path / "process0.json"))["rows"]
+  rows = json.loads((tmp_path / "process0.json").read_text())["rows"]
   a2a = next(r for r in rows if r["impl"] == "all_to_all")
   assert a2a["devices"] == 8 and a2a["rounds"] >= 1 and a2a["wire_bytes"] > 0
+
+
+def test_hf_load_reads_only_each_process_experts(tmp_path):
+  """`hf.load_moe_layers` on 2 processes: each reads its own experts' rows and the router."""
+  import hf_checkpoints
+
+  from moe_shard import hf
+
+  ckpt = tmp_path / "ckpt"
+  _, tensors = hf_checkpoints.write(ckpt, "mixtral", files=2)
+  experts = sum(a.nbytes for k, a in tensors.items() if ".experts." in k)
+  router = sum(a.nbytes for k, a in tensors.items() if k.endswith("block_sparse_moe.gate.weight"))
+
+  def command(i):
+    return [
+      sys.executable,
+      str(TESTS / "hf_mp_worker.py"),
+      "--path",
+      str(ckpt),
+      "--out",
+      str(tmp_path / "hf"),
+    ]
+
+  with _workers(tmp_path, command=command) as procs:
+    _, want = hf.load_moe_layers(ckpt)
+    exits = _wait(procs, TIMEOUT_S)
+  for i, (code, _) in enumerate(exits):
+    assert code == 0, f"worker {i} exit code {code}\n{_log(tmp_path, i)}"
+  for i in range(2):
+    read = json.loads((tmp_path / f"hf.{i}.json").read_text())["bytes_read"]
+    # Half of the experts (the process's 2 of the expert axis's 4 devices) and the router.
+    assert read == experts // 2 + router, (i, read, experts, router)
+    assert read <= 0.6 * experts
+  with np.load(tmp_path / "hf.npz") as got:
+    for p, w in jax.tree_util.tree_leaves_with_path(want):
+      np.testing.assert_array_equal(got[jax.tree_util.keystr(p, simple=True, separator=".")], w)

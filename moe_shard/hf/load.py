@@ -1,0 +1,396 @@
+"""Load the MoE blocks of a Hugging Face checkpoint into `MoEParams`, and save them back.
+
+`load_moe_layer` and `load_moe_layers` read config.json, check it against the family table
+(`hf.families`), check every tensor's shape against the config, then build each leaf. With a
+mesh each leaf is created already placed (`jax.make_array_from_callback` with
+`moe_param_specs`), and the callback of a device reads from the files only the rows of the
+experts that device holds: a process reads its own experts and the replicated tensors, never
+a whole expert tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_shard.config import MoEConfig
+from moe_shard.hf.families import FAMILIES, Family, text_config
+from moe_shard.hf.io import Checkpoint, write_folder
+from moe_shard.hf.layouts import BF16, stored
+from moe_shard.params import MoEParams, moe_param_shapes, moe_param_specs
+from moe_shard.sharding import EXPERT, resolve_mesh
+
+DTYPES = {
+  "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": BF16,
+}
+
+
+@dataclasses.dataclass
+class _Block:
+  """One checkpoint opened for the MoE blocks: its family, text config and MoEConfig."""
+
+  ckpt: Checkpoint
+  family: Family
+  text: dict
+  layouts: tuple = ()
+
+  def num_layers(self):
+    return int(self.text[self.family.num_layers])
+
+  def moe_layers(self):
+    return [i for i in range(self.num_layers()) if self.family.dense(self.text, i) is None]
+
+  def prefix(self, i):
+    """Where layer i's block lives: the first prefix holding the block's first tensor."""
+    first = self.layouts[0]
+    name = getattr(first, dataclasses.fields(first)[0].name)
+    for p in self.family.prefixes:
+      p = p.format(i=i)
+      if p + name in self.ckpt or p + name + "_blocks" in self.ckpt:
+        return p
+    return self.family.prefixes[0].format(i=i)
+
+  def at(self, i):
+    """The layouts of layer i with full tensor names."""
+    p = self.prefix(i)
+    return tuple(
+      dataclasses.replace(lay, **{f: p + getattr(lay, f)})
+      for lay in self.layouts
+      for f in [dataclasses.fields(lay)[0].name]
+    )
+
+
+def _open(fn, path):
+  ckpt = Checkpoint(fn, path)
+  model_type = ckpt.config.get("model_type")
+  if model_type not in FAMILIES:
+    raise ValueError(
+      f"{fn}: config.json model_type {model_type!r} is not a supported MoE architecture "
+      f"(supported: {', '.join(sorted(FAMILIES))})"
+    )
+  family = FAMILIES[model_type]
+  text = text_config(ckpt.config)
+  quant = (ckpt.config.get("quantization_config") or text.get("quantization_config") or {}).get(
+    "quant_method"
+  )
+  if quant not in (None, "mxfp4") or (quant == "mxfp4" and model_type != "gpt_oss"):
+    raise ValueError(
+      f"{fn}: config.json quantization_config.quant_method {quant!r} is not supported for "
+      f"{model_type} (only gpt_oss's 'mxfp4' is dequantized on load): dequantize the "
+      f"checkpoint first"
+    )
+  return _Block(ckpt, family, text, tuple(family.layouts(text)))
+
+
+def _config(fn, block, layer, dtype, expert_axis):
+  """The MoEConfig of layer `layer`; param_dtype is `dtype` or the experts' stored dtype."""
+  try:
+    fields = block.family.config(block.text)
+  except KeyError as e:
+    raise ValueError(f"{fn}: config.json lacks the field {e.args[0]!r}") from None
+  except ValueError as e:
+    raise ValueError(f"{fn}: {e}") from None
+  missing = sorted(set(fields) - {f.name for f in dataclasses.fields(MoEConfig)})
+  if missing:
+    raise NotImplementedError(
+      f"{fn}: this moe_shard's MoEConfig has no field {', '.join(missing)}, which "
+      f"{block.ckpt.config['model_type']} needs"
+    )
+  if dtype is None:
+    dtype = _stored_dtype(fn, block, layer, MoEConfig(**fields))
+  return MoEConfig(**fields, param_dtype=jnp.dtype(dtype), expert_axis=expert_axis)
+
+
+def _stored_dtype(fn, block, layer, cfg):
+  """The widest float dtype of the layer's expert tensors (MXFP4 counts as bfloat16)."""
+  kinds = set()
+  for lay in block.at(layer):
+    for name in lay.tensors(_leaf_shapes(cfg)) if lay.expert_axis else ():
+      _, how = stored(block.ckpt, name)
+      kind = "BF16" if how else block.ckpt.meta(name)[1]
+      if kind not in DTYPES:
+        raise ValueError(f"{fn}: tensor {name!r} has dtype {kind}, not a float dtype")
+      kinds.add(kind)
+  if len(kinds) == 1:
+    return DTYPES[kinds.pop()]
+  return DTYPES["F64"] if "F64" in kinds else DTYPES["F32"]
+
+
+def _name(path):
+  """A leaf's name: its `MoEParams` path, e.g. "experts.gate_EDF"."""
+  return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def _leaves(tree):
+  return {_name(p): a for p, a in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _leaf_shapes(cfg):
+  return {k: s.shape for k, s in _leaves(moe_param_shapes(cfg)).items()}
+
+
+def _mesh(fn, mesh, cfg):
+  """The mesh to place the leaves on (`mesh`, or the one in scope), a concrete `Mesh`."""
+  resolved = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+  if resolved is not None and not isinstance(resolved, Mesh):
+    raise ValueError(
+      f"{fn}: mesh must be a concrete jax.sharding.Mesh to create arrays on (got "
+      f"{type(resolved).__name__})"
+    )
+  return resolved
+
+
+def _check_layer(fn, block, layer):
+  n = block.num_layers()
+  if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
+    raise ValueError(
+      f"{fn}: layer must be an int in [0, {n}) ({block.family.num_layers}={n} in "
+      f"config.json) (got {layer!r})"
+    )
+  reason = block.family.dense(block.text, layer)
+  if reason is not None:
+    raise ValueError(
+      f"{fn}: layer {layer} is dense, not MoE, in this {block.ckpt.config['model_type']} "
+      f"checkpoint: {reason} in config.json (MoE layers: {block.moe_layers()})"
+    )
+
+
+def _check_tensors(fn, block, layer, cfg):
+  """Raises unless every tensor of layer `layer`'s block exists with the config's shape."""
+  shapes = _leaf_shapes(cfg)
+  covered = {leaf for lay in block.layouts for leaf in lay.leaves}
+  if covered != set(shapes):
+    raise NotImplementedError(
+      f"{fn}: the {block.ckpt.config['model_type']} table maps the leaves {sorted(covered)}, "
+      f"but this MoEConfig has {sorted(shapes)}"
+    )
+  for lay in block.at(layer):
+    for name, want in lay.tensors(shapes).items():
+      got, how = stored(block.ckpt, name)
+      if tuple(got) != tuple(want):
+        what = " (dequantized MXFP4)" if how else ""
+        raise ValueError(
+          f"{fn}: tensor {name!r}{what} has shape {tuple(got)}, but config.json implies "
+          f"{tuple(want)}"
+        )
+
+
+def _reader(block, cfg, layers, mx_dtype):
+  """(read(leaf, layer_pos, lo, hi) -> np array in the leaf's dtype, layout of each leaf)."""
+  shapes = _leaf_shapes(cfg)
+  dtypes = {k: s.dtype for k, s in _leaves(moe_param_shapes(cfg)).items()}
+  at = [dict((leaf, lay) for lay in block.at(i) for leaf in lay.leaves) for i in layers]
+  cache = {}
+
+  def read(leaf, pos, lo, hi):
+    lay = at[pos][leaf]
+    if not lay.expert_axis:
+      lo, hi = 0, shapes[leaf][0]
+    a = lay.read(block.ckpt, leaf, shapes, lo, hi, cache, mx_dtype)
+    return np.asarray(a, dtypes[leaf])
+
+  return read, at[0], cache
+
+
+def _build(block, cfg, layers, mesh, stacked):
+  """Every leaf of the layers `layers` (stacked on axis 0 when `stacked`), placed on `mesh`."""
+  mx_dtype = np.dtype(cfg.param_dtype)
+  read, by_leaf, cache = _reader(block, cfg, layers, mx_dtype)
+  shapes = moe_param_shapes(cfg)
+  specs = moe_param_specs(cfg)
+  flat = {
+    _name(p): (s, spec)
+    for (p, s), spec in zip(
+      jax.tree_util.tree_leaves_with_path(shapes),
+      jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+    )
+  }
+  out = {}
+  # Leaves in layout order, so that the leaves of one fused tensor share its cached rows.
+  for leaf in dict.fromkeys(leaf for lay in block.layouts for leaf in lay.leaves):
+    s, spec = flat[leaf]
+    E = s.shape[0]
+    if mesh is None:
+      parts = [read(leaf, k, 0, E) for k in range(len(layers))]
+      out[leaf] = jnp.asarray(np.stack(parts) if stacked else parts[0])
+    else:
+      shape = (len(layers), *s.shape) if stacked else s.shape
+      sharding = NamedSharding(mesh, P(None, *spec) if stacked else spec)
+
+      def cb(index, leaf=leaf, E=E):
+        ks = range(len(layers))[index[0]] if stacked else [0]
+        rest = index[1:] if stacked else index
+        lo, hi, _ = rest[0].indices(E)
+        parts = [read(leaf, k, lo, hi)[(slice(None), *rest[1:])] for k in ks]
+        return np.stack(parts) if stacked else parts[0]
+
+      out[leaf] = jax.make_array_from_callback(shape, sharding, cb)
+    if leaf == by_leaf[leaf].leaves[-1]:
+      cache.clear()
+  return jax.tree.unflatten(jax.tree.structure(shapes), [out[k] for k in flat])
+
+
+def load_moe_layer(
+  path: str | os.PathLike,
+  layer: int,
+  *,
+  mesh: Mesh | None = None,
+  dtype: jnp.dtype | type | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+) -> tuple[MoEConfig, MoEParams]:
+  """Loads the MoE block of one decoder layer of a Hugging Face checkpoint.
+
+  Args:
+    path: a model folder: config.json and `model.safetensors` or
+      `model.safetensors.index.json` with its shards.
+    layer: the decoder layer index i (`model.layers.{i}`), 0 <= i < num_hidden_layers; its
+      block must be MoE.
+    mesh: None (default): arrays on the default device. A `Mesh` with `expert_axis`: every
+      leaf created placed as `moe_param_specs(cfg)` says, each process reading only the
+      experts its devices hold.
+    dtype: the dtype of the expert and shared-expert weights (default None: the stored one;
+      bfloat16 for MXFP4). The router, its biases and the shared gate are float32.
+    expert_axis: `MoEConfig.expert_axis` (default "expert").
+
+  Returns:
+    (cfg: MoEConfig, params: MoEParams) such that `moe_layer(params, x, cfg)` computes the
+    model's MoE block (routed and shared experts, gates and scaling).
+
+  Raises:
+    FileNotFoundError: no folder, config.json or safetensors file.
+    ValueError: an unsupported model_type or config field, only pickle files, a layer out of
+      range or dense, a tensor missing or of a shape other than config.json implies.
+  """
+  fn = "load_moe_layer"
+  block = _open(fn, path)
+  _check_layer(fn, block, layer)
+  cfg = _config(fn, block, layer, dtype, expert_axis)
+  mesh = _mesh(fn, mesh, cfg)
+  _check_tensors(fn, block, layer, cfg)
+  return cfg, _build(block, cfg, [layer], mesh, stacked=False)
+
+
+def load_moe_layers(
+  path: str | os.PathLike,
+  *,
+  mesh: Mesh | None = None,
+  dtype: jnp.dtype | type | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+) -> tuple[MoEConfig, MoEParams]:
+  """Loads every MoE block of a checkpoint, leaves stacked on a leading layer axis.
+
+  The MoE layers are those `moe_layers(path)` lists (dense layers are skipped), in order;
+  leaf l of the stack is that list's l-th layer. Feed the stack to `jax.lax.scan` or
+  `nnx.scan`. With a mesh each leaf's spec is `P(None, *moe_param_specs(cfg).leaf)`.
+
+  Args:
+    path, mesh, dtype, expert_axis: as `load_moe_layer`.
+
+  Returns:
+    (cfg: MoEConfig, params: MoEParams with every leaf [L, ...]).
+
+  Raises:
+    FileNotFoundError, ValueError: as `load_moe_layer`; ValueError also when the checkpoint
+      has no MoE layer.
+  """
+  fn = "load_moe_layers"
+  block = _open(fn, path)
+  layers = block.moe_layers()
+  if not layers:
+    raise ValueError(f"{fn}: {str(path)!r} has no MoE layer")
+  cfg = _config(fn, block, layers[0], dtype, expert_axis)
+  mesh = _mesh(fn, mesh, cfg)
+  for i in layers:
+    _check_tensors(fn, block, i, cfg)
+  return cfg, _build(block, cfg, layers, mesh, stacked=True)
+
+
+def moe_layers(path: str | os.PathLike) -> list[int]:
+  """Returns the decoder layer indices whose block is MoE, by config.json."""
+  return _open("moe_layers", path).moe_layers()
+
+
+def save_moe_layers(
+  path: str | os.PathLike,
+  cfg: MoEConfig,
+  params: MoEParams,
+  *,
+  like: str | os.PathLike,
+  layers: list[int] | None = None,
+) -> None:
+  """Writes MoE blocks back in a checkpoint's own tensor names, dtypes and layouts.
+
+  The folder `path` gets `like`'s config.json and every tensor of `like` that is not in the
+  MoE blocks written (copied as stored), plus the MoE tensors from `params`, each in the
+  dtype `like` stores it in and transformed back to its layout (transposed, fused, DBRX's
+  rows). MXFP4 tensors of `like` are written dequantized, as bfloat16 under the unquantized
+  name (`experts.gate_up_proj`, not `_blocks`/`_scales`), and `quantization_config` is
+  dropped from config.json: transformers loads that as a bfloat16 gpt-oss checkpoint.
+
+  Args:
+    path: the output folder (created; must not be `like`).
+    cfg: the `MoEConfig` of `params` (as loaded).
+    params: `MoEParams` with every leaf stacked on a leading axis of len(layers), e.g. from
+      `load_moe_layers`; each array must be fully addressable by this process.
+    like: the checkpoint folder the blocks came from.
+    layers: the decoder layers of the stack (default None: every MoE layer of `like`).
+
+  Raises:
+    ValueError: `path` is `like`, the stack length differs from len(layers), or as
+      `load_moe_layer` for `like`.
+  """
+  fn = "save_moe_layers"
+  block = _open(fn, like)
+  if Path(path).resolve() == Path(like).resolve():
+    raise ValueError(f"{fn}: path must differ from like (got {str(path)!r} for both)")
+  layers = block.moe_layers() if layers is None else list(layers)
+  for i in layers:
+    _check_layer(fn, block, i)
+  if not isinstance(params, MoEParams):
+    raise TypeError(f"{fn}: params must be a MoEParams (got {type(params).__name__})")
+  leaves = _leaves(params)
+  for k, a in leaves.items():
+    if a.ndim == 0 or a.shape[0] != len(layers):
+      raise ValueError(
+        f"{fn}: params.{k} must be stacked on a leading axis of {len(layers)} layers "
+        f"{layers} (got shape {tuple(a.shape)})"
+      )
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+      raise ValueError(
+        f"{fn}: params.{k} must be fully addressable by this process to be written (gather "
+        f"it first, e.g. jax.experimental.multihost_utils.process_allgather)"
+      )
+  moe, quantized, shards = set(), False, []
+  for pos, i in enumerate(layers):
+    _check_tensors(fn, block, i, cfg)
+    arrays = {k: np.asarray(jax.device_get(a[pos])) for k, a in leaves.items()}
+    shard = {}
+    for lay in block.at(i):
+      for name, a in lay.write(arrays).items():
+        _, how = stored(block.ckpt, name)
+        if how:
+          quantized = True
+          moe.update({name + "_blocks", name + "_scales"})
+          shard[name] = np.asarray(a, BF16)
+        else:
+          moe.add(name)
+          shard[name] = np.asarray(a, DTYPES[block.ckpt.meta(name)[1]])
+    shards.append(shard)
+  rest = {}
+  for name, file in block.ckpt.files.items():
+    if name not in moe:
+      rest.setdefault(file, {})[name] = block.ckpt.read(name)
+  config = dict(block.ckpt.config)
+  if quantized:
+    config.pop("quantization_config", None)
+  write_folder(path, config, [*rest.values(), *shards])
