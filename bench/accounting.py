@@ -173,13 +173,13 @@ def all_to_all(case, on_tpu=False):
   return Accounting(rounds, 0, trips)
 
 
-def ragged_capacity(tokens_per_device, k, capacity=None):
+def ragged_capacity(tokens_per_device, k, recv_capacity=None):
   """(C, C_overflow): receive-buffer rows of the ragged dispatch's round 0 and later rounds,
   written out from its documented rule (`moe_ragged_all_to_all`): C = T_dev*K plus 4 * sqrt
   of it, rounded up to a multiple of 8 (at least 8) and from 4096 up to a multiple of 512,
   C_overflow = C / 4 rounded up to a multiple of 8."""
-  if capacity is not None:
-    return capacity, capacity
+  if recv_capacity is not None:
+    return recv_capacity, recv_capacity
   first = _padded_load(tokens_per_device * k)
   first = first if first < 4096 else 512 * math.ceil(first / 512)
   return first, max(8, 8 * math.ceil(first / 4 / 8))
@@ -300,7 +300,7 @@ def routing_bound_bytes(case):
   dropless token-moving dispatch of this routing sends from d. Equals `bound_bytes` on
   average under uniform routing; skew raises it.
   """
-  n_dev, N, M, L, _, load = _layout(case)
+  _, N, M, L, _, load = _layout(case)
   f_out = case.size.F if case.level == "kernel" else case.size.D
   load = load.reshape(N, M, N, L).sum(axis=3)  # [e_src, m, e_dst]
   own = np.eye(N, dtype=bool)[:, None, :]

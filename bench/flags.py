@@ -6,6 +6,8 @@ A bad flag or an impossible combination raises `UsageError`: one line on stderr,
 from __future__ import annotations
 
 import argparse
+import math
+import os
 
 from bench import LEVELS, MODES, ROUTINGS
 
@@ -156,7 +158,7 @@ def parser():
     "--dtype", choices=("float32", "bfloat16"), help="default float32 (bfloat16 with --tpu)"
   )
   p.add_argument("--routing", help="comma-separated from uniform, zipf, hot_expert, one_device")
-  p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent (default 1.2)")
+  p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent s > 0 (default 1.2)")
   p.add_argument("--impls", help="comma-separated from " + ", ".join(_impl_names()))
   p.add_argument("--levels", help="comma-separated from layer, kernel")
   p.add_argument("--modes", help="comma-separated from fwd, fwd_bwd")
@@ -267,6 +269,14 @@ def settings(a):
     raise UsageError(f"--capacity-factor must be > 0 (got {a.capacity_factor})")
   if a.chunk_size is not None and a.chunk_size < 1:
     raise UsageError(f"--chunk-size must be >= 1 (got {a.chunk_size})")
+  if not (math.isfinite(a.zipf_s) and a.zipf_s > 0):
+    raise UsageError(f"--zipf-s must be a finite number > 0 (got {a.zipf_s})")
+  outputs = [("--json", a.json, a.json), ("--csv", a.csv, a.csv), ("--plot", a.plot, a.plot)]
+  if a.out is not None:
+    outputs += [("--out", a.out, a.out + ext) for ext in (".json", ".csv", ".md")]
+  for flag, value, path in outputs:
+    if value is not None:
+      _check_writable(flag, value, path)
   if a.num_processes < 1:
     raise UsageError(f"--num-processes must be >= 1 (got {a.num_processes})")
   if a.devices is not None and a.devices < 1:
@@ -274,6 +284,21 @@ def settings(a):
   if a.mesh is not None:
     mesh_sizes(a.mesh)
   return s
+
+
+def _check_writable(flag, value, path):
+  """Raises unless the file `path` (written for `flag`'s `value`) can be written once the
+  run ends: not a folder, in a folder that exists or can be made, writable."""
+  if os.path.isdir(path):
+    raise UsageError(f"{flag} would write {path}, which is a folder (got {value!r})")
+  existing = os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    raise UsageError(
+      f"{flag} must be in a folder that exists or can be made and written "
+      f"(got {value!r}: {existing} is not a writable folder)"
+    )
 
 
 def mesh_sizes(spec):
@@ -288,6 +313,6 @@ def mesh_sizes(spec):
 
 
 def _impl_names():
-  from bench.impls import IMPLS  # imports jax, which is fine: no backend starts here
+  from bench.impls import BENCH_IMPLS  # imports jax, which is fine: no backend starts here
 
-  return tuple(IMPLS)
+  return tuple(BENCH_IMPLS)

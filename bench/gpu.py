@@ -91,7 +91,7 @@ def _inputs(G):
 
 def _measure(row, prog, dense_prog, args, repeats, ref=None):
   """Compiles and times one program against the dense one; errors become the row's."""
-  x, w, gs, dy = args
+  x, w, _, dy = args
   try:
     t0 = time.perf_counter()
     out = jax.block_until_ready(prog(*args))
@@ -142,10 +142,8 @@ def sweep(groups, repeats, on_row=print):
     x, w, dy = _inputs(G)
     gs = jnp.asarray(group_sizes(G, "uniform", num_rows=M))
     for cfg in SWEEP:
-      progs = _programs(
-        None,
-        lambda x, w, gs, b=gmm_gpu.BlockConfig(*cfg): gmm_gpu.mosaic_gpu_gmm(x, w, gs, blocks=b),
-      )
+      blocks = gmm_gpu.BlockConfig(*cfg)
+      progs = _programs(None, lambda x, w, gs, b=blocks: gmm_gpu.mosaic_gpu_gmm(x, w, gs, blocks=b))
       for mode in ("fwd", "fwd+bwd"):
         row = dict(G=G, skew="uniform", impl="mosaic_gpu " + "/".join(map(str, cfg)), mode=mode)
         _measure(row, progs[mode], dense[mode], (x, w, gs, dy), repeats)

@@ -46,7 +46,7 @@ class Impl:
     return self.dispatch(size) if self.per_size else self.dispatch
 
 
-IMPLS = {
+BENCH_IMPLS = {
   "all_to_all": Impl("all_to_all", accounting.all_to_all),
   # On CPU (no ragged-all-to-all in XLA) this runs the emulation: padded all_to_alls.
   "ragged_all_to_all": Impl("ragged_all_to_all", accounting.ragged_all_to_all),
@@ -71,4 +71,4 @@ def register(name, dispatch, accounting=accounting.unknown):
     accounting: `(case, on_tpu) -> accounting.Accounting` (default: no rounds, nothing
       dropped, its loops counted once and flagged).
   """
-  IMPLS[name] = Impl(dispatch, accounting)
+  BENCH_IMPLS[name] = Impl(dispatch, accounting)

@@ -252,7 +252,7 @@ class HloModule:
     # Kahn's order over the call graph (a DAG): a computation's count is final before
     # its callees get theirs.
     indegree = {}
-    for comp, callees in self.calls.items():
+    for callees in self.calls.values():
       for callee, _ in callees:
         indegree[callee] = indegree.get(callee, 0) + 1
     runs = {self.entry: 1.0}
@@ -448,7 +448,7 @@ def _parse_instruction(line):
   name, rest = m.group(2), m.group(3)
   if rest.startswith("("):  # tuple type: up to the matching parenthesis
     depth = 0
-    for i, ch in enumerate(rest):
+    for i, ch in enumerate(rest):  # noqa: B007 (i, where the loop stops, is read after it)
       depth += ch == "("
       depth -= ch == ")"
       if depth == 0:
@@ -461,7 +461,7 @@ def _parse_instruction(line):
     return None
   opcode, tail = op.group(1), op.group(2)
   depth, i = 1, 0
-  for i, ch in enumerate(tail):
+  for i, ch in enumerate(tail):  # noqa: B007 (i, where the loop stops, is read after it)
     depth += ch in "({"
     depth -= ch in ")}"
     if depth == 0:

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
 from bench import common
-from bench.impls import IMPLS
+from bench.impls import BENCH_IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,16 +213,16 @@ def programs(case, impl):
 def programs_and_args(case, impl):
   """(`programs(case, impl)`, the arguments they take): `case.args`, or an entry's own
   inputs (the dense limit)."""
-  if impl not in IMPLS:
-    raise ValueError(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
-  if IMPLS[impl].programs is not None:
-    return IMPLS[impl].programs(case)
+  if impl not in BENCH_IMPLS:
+    raise ValueError(f"unknown impl {impl!r}; choose from {', '.join(BENCH_IMPLS)}")
+  if BENCH_IMPLS[impl].programs is not None:
+    return BENCH_IMPLS[impl].programs(case)
   return _dispatch_programs(case, impl), case.args
 
 
 def _dispatch_programs(case, impl):
   mesh = case.mesh
-  dispatch = IMPLS[impl].resolve(case.size)
+  dispatch = BENCH_IMPLS[impl].resolve(case.size)
   cfg = dataclasses.replace(case.cfg, impl=dispatch)
   if case.level == "kernel":
     fn = ms.DISPATCHES[dispatch].fn if isinstance(dispatch, str) else dispatch

@@ -100,7 +100,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   from bench import accounting, common, malloc, measure, tpu
   from bench import programs as progs
   from bench.flags import SCALING
-  from bench.impls import IMPLS
+  from bench.impls import BENCH_IMPLS
 
   def sizes_and_cases(part):
     return [
@@ -144,9 +144,9 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
     routing_bound = accounting.routing_bound_bytes(case)
     for impl in s["impls"]:
       fns, impl_args = progs.programs_and_args(case, impl)
-      acc = IMPLS[impl].accounting(case, on_tpu=bool(tpu_topology))
+      acc = BENCH_IMPLS[impl].accounting(case, on_tpu=bool(tpu_topology))
       rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
-      if IMPLS[impl].programs is None:  # a dispatch: checked against the MoE reference
+      if BENCH_IMPLS[impl].programs is None:  # a dispatch: checked against the MoE reference
         kept[impl] = acc.kept
       for mode in s["modes"]:
         args = impl_args
@@ -226,10 +226,10 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         [(c, args) for c, args, _ in timed],
         s["repeats"],
         on_turn=lambda i: bar.step(
-          f"{'warmed up' if i == 0 else f'timed turn {i}'} {level} E={E} {routing}"
+          f"{'warmed up' if i == 0 else f'timed turn {i}'} {level} E={E} {routing}"  # noqa: B023 (called within this iteration)
         ),
       )
-      for (compiled, args, row), t in zip(timed, times):
+      for (_, _, row), t in zip(timed, times):
         row["time_s"] = t
         row["gflops"] = row["routed_flops"] / t["median"] / 1e9
       _errors(case, case_rows, timed, kept)

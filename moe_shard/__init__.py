@@ -18,8 +18,8 @@ Names for rematerialisation policies: `CHECKPOINT_NAMES` (remat.py). Framework m
 behind its optional extra and not imported here: `moe_shard.nnx.MoE` (Flax NNX) and
 `moe_shard.equinox.MoE` (Equinox).
 
-Three tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py) and the
-grouped-matmul `BACKENDS` (grouped_matmul.py).
+Four tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py), the
+expert FFNs `EXPERTS` (experts.py) and the grouped-matmul `BACKENDS` (grouped_matmul.py).
 """
 
 from moe_shard.balance import (
@@ -31,7 +31,16 @@ from moe_shard.balance import (
 )
 from moe_shard.config import MoEConfig
 from moe_shard.dispatch import DISPATCHES, Dispatch, choose_impl
-from moe_shard.experts import Linear, SwiGLU
+from moe_shard.experts import (
+  EXPERTS,
+  ClampedSwiGLU,
+  ExpertFFN,
+  GeGLU,
+  GeluMLP,
+  GroupedMatmul,
+  Linear,
+  SwiGLU,
+)
 from moe_shard.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
 from moe_shard.layer import moe_layer, num_routing_groups
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
@@ -63,6 +72,7 @@ __all__ = [
   "DATA",
   "DISPATCHES",
   "EXPERT",
+  "EXPERTS",
   "MOE_DISPATCH_OUT",
   "MOE_DISPATCH_RECV",
   "MOE_EXPERT_GATE",
@@ -71,7 +81,12 @@ __all__ = [
   "MOE_ROUTER_LOGITS",
   "PLATFORM_BACKENDS",
   "ROUTERS",
+  "ClampedSwiGLU",
   "Dispatch",
+  "ExpertFFN",
+  "GeGLU",
+  "GeluMLP",
+  "GroupedMatmul",
   "Linear",
   "MoEConfig",
   "MoEParams",

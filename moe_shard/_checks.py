@@ -6,15 +6,9 @@ import math
 import numbers
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
-
-
-def _shape_dtype(value):
-  if isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(value, "aval"):
-    return tuple(value.shape), jnp.dtype(value.dtype)
-  arr = np.asarray(value)
-  return arr.shape, arr.dtype
 
 
 def as_array(fn, name, value):

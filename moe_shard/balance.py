@@ -13,21 +13,30 @@ a selection bias, before any capacity drop) and are 1.0 when that selection is b
 Aux-loss-free balancing (DeepSeek-V3, arXiv:2412.19437 sec. 2.1.2): a per-expert bias added
 to the scores for selection only, moved after each step against the load with
 `update_router_bias`. It is state, not a trained weight: exclude `router_bias` from the
-optimizer (README, "Routers").
+optimizer (docs/guides/routers.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
 
+if TYPE_CHECKING:  # both modules import this one
+  from moe_shard.params import MoEParams
+  from moe_shard.routing import Routing
 
-def expert_load(experts_TK, num_experts):
+
+def expert_load(
+  experts_TK: Int[Array, "T K"] | Int[Array, " T"], num_experts: int
+) -> Int[Array, " E"]:
   """Counts the (token, slot) items routed to each expert; ids outside [0, E) are not counted.
 
   Args:
@@ -43,7 +52,7 @@ def expert_load(experts_TK, num_experts):
   return jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
 
 
-def load_balancing_loss(routing):
+def load_balancing_loss(routing: Routing) -> Float[Array, ""]:
   """Returns the Switch/GShard load-balancing loss `E * sum_e f_e * P_e`.
 
   `f_e` is the fraction of the T*K (token, slot) items routed to expert e and `P_e` the mean
@@ -56,13 +65,13 @@ def load_balancing_loss(routing):
   Returns:
     f32[] the loss.
   """
-  T, E = routing.probs_TE.shape
+  E = routing.probs_TE.shape[1]
   f_E = expert_load(routing.experts_TK, E).astype(jnp.float32) / routing.experts_TK.size
   P_E = jnp.mean(routing.probs_TE.astype(jnp.float32), axis=0)
   return E * jnp.sum(jax.lax.stop_gradient(f_E) * P_E)
 
 
-def sequence_balance_loss(routing, seq_len):
+def sequence_balance_loss(routing: Routing, seq_len: int) -> Float[Array, ""]:
   """Returns DeepSeek-V3's sequence-wise balance loss, averaged over the sequences.
 
   For each sequence of S tokens (the T tokens are T / S sequences, one after another):
@@ -98,7 +107,7 @@ def sequence_balance_loss(routing, seq_len):
   return jnp.mean(jnp.sum(jax.lax.stop_gradient(f_BE) * P_BE, axis=-1))
 
 
-def router_z_loss(logits_TE):
+def router_z_loss(logits_TE: Float[Array, "T E"]) -> Float[Array, ""]:
   """Returns the router z-loss `mean_t logsumexp(logits_TE[t])^2` (ST-MoE), in float32.
 
   Args:
@@ -112,7 +121,9 @@ def router_z_loss(logits_TE):
   return jnp.mean(jnp.square(z_T))
 
 
-def update_router_bias(params, aux, rate):
+def update_router_bias(
+  params: MoEParams, aux: Mapping[str, Array], rate: float | Float[Array, ""]
+) -> MoEParams:
   """Returns `params` with the selection bias moved against the load (aux-loss-free balance).
 
       router_bias -= rate * sign(load - mean(load))        load = aux["expert_load"]
@@ -156,7 +167,7 @@ def update_router_bias(params, aux, rate):
     )
   if isinstance(rate, numbers.Real) and not isinstance(rate, bool):
     rate = _checks.real_field(fn, "rate", rate, positive=False)
-  elif not (hasattr(rate, "shape") and rate.shape == ()):
+  elif getattr(rate, "shape", None) != ():
     raise TypeError(f"{fn}: rate must be a real number or a scalar array (got {rate!r})")
   sign = jnp.sign(load - jnp.mean(load, axis=-1, keepdims=True))
   return dataclasses.replace(params, router_bias=bias.astype(jnp.float32) - rate * sign)

@@ -7,7 +7,7 @@ or a function of the table's signature:
     `(logits_TE, cfg, *, bias_E=None) -> Routing`;
   * `impl` (the dispatch): `dispatch.DISPATCHES` or
     `(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg) -> (y_TD, stats)`;
-  * `gmm_impl` (the grouped-matmul backend): `grouped_matmul.IMPLS`.
+  * `gmm_impl` (the grouped-matmul backend): `grouped_matmul.GMM_CHOICES`.
 """
 
 from __future__ import annotations
@@ -19,16 +19,25 @@ import jax.numpy as jnp
 
 from moe_shard import _checks
 from moe_shard.dispatch import DISPATCHES
-from moe_shard.grouped_matmul import IMPLS as GMM_IMPLS
-from moe_shard.routing import ROUTERS, SCORE_FUNCS, capacity
+from moe_shard.experts import expert_class
+from moe_shard.grouped_matmul import GMM_CHOICES
+from moe_shard.routing import ROUTERS, SCORE_FUNCS, capacity, check_normalize_p
 from moe_shard.sharding import EXPERT
 
-EXPERT_TYPES = ("swiglu", "linear")
+# Fields that configure one FFN class; an FFN reads those in its `CONFIG_FIELDS`, and any
+# other FFN requires their defaults (so that a value is never silently ignored).
+FFN_FIELDS = dict(swiglu_alpha=1.702, swiglu_limit=7.0)
 # The top_k router's fields and their defaults, which router="expert_choice" requires.
 TOP_K_ONLY = dict(
-  score_func="softmax", num_groups=1, top_k_groups=None, routed_scaling=1.0, bias_balancing=False
+  score_func="softmax",
+  num_groups=1,
+  top_k_groups=None,
+  routed_scaling=1.0,
+  bias_balancing=False,
+  normalize_p=1.0,
 )
-IMPLS = ("auto", *DISPATCHES)
+WEIGHTS_ON = ("output", "input")
+DISPATCH_CHOICES = ("auto", *DISPATCHES)
 
 
 def _table_field(name, value, names):
@@ -58,11 +67,20 @@ class MoEConfig:
       `expert_type` is "linear" (one [D, F] matrix per expert, and the layer returns D).
     num_experts: E routed experts.
     top_k: K experts per token, 1 <= K <= E.
-    expert_type: "swiglu" (default; gate, up [E, D, F] and down [E, F, D]) or "linear"
-      (w [E, D, D]).
+    expert_type: the routed experts' FFN: a name of `experts.EXPERTS` ("swiglu", the
+      default: gate, up [E, D, F] and down [E, F, D]; "linear": w [E, D, D]; "gelu",
+      "geglu", "clamped_swiglu"), or an FFN class (its `param_shapes(cfg)` gives the
+      leaves; it must map D to D). Hashable either way.
+    expert_bias: give every matrix of the routed experts its bias leaf, [E, F] after an
+      input matrix and [E, D] after the output one (default False). Zeros at init; each
+      is added only to the rows routed to its expert, under every dispatch.
+    swiglu_alpha: `alpha` of "clamped_swiglu" (default 1.702); other expert types require
+      the default.
+    swiglu_limit: `limit` of "clamped_swiglu", > 0 (default 7.0); other expert types
+      require the default.
     router: "top_k" (default: each token picks its top_k experts, `routing.top_k_router`),
       "expert_choice" (each expert picks its tokens, `routing.expert_choice_router`), or a
-      function `(logits_TE, cfg, *, bias_E=None) -> Routing` (README, "Routers").
+      function `(logits_TE, cfg, *, bias_E=None) -> Routing` (docs/guides/routers.md).
     impl: the dispatch: a name of `dispatch.DISPATCHES` ("masked_scan", "ragged_dot",
       "all_gather", "all_to_all", "ragged_all_to_all"), "auto" (default; with a mesh whose
       expert axis has more than one device, "ragged_all_to_all" on TPU and GPU devices and
@@ -76,15 +94,23 @@ class MoEConfig:
     chunk_size: `chunk_size` of `moe_all_to_all`: None (default), an int C (stored as
       (C, C)), or a pair (C_first, C_overflow).
     recv_capacity: receive-buffer rows per device of the "ragged_all_to_all" dispatch
-      (`moe_ragged_all_to_all`'s `capacity`): None (default; round 0 the expected load
+      (`moe_ragged_all_to_all`'s `recv_capacity`): None (default; round 0 the expected load
       T_dev*K plus 4 * sqrt of it, rounded up to a multiple of 8, later rounds a quarter of
-      that) or an int >= 1 (every round). More to receive than fits takes more rounds, never drops.
-    gmm_impl: grouped-matmul backend of the sorting dispatches (`grouped_matmul`'s `impl`):
-      "auto" (default; by the platform compiled for, `grouped_matmul.PLATFORM_BACKENDS`),
-      "ragged_dot" or "tiled".
+      that) or an int >= 1 (every round). More to receive than fits takes more rounds,
+      never drops.
+    gmm_impl: grouped-matmul backend of the sorting dispatches (`grouped_matmul`'s `impl`,
+      one of `grouped_matmul.GMM_CHOICES`): "auto" (default; by the platform compiled for,
+      `grouped_matmul.PLATFORM_BACKENDS`: "megablox" on TPU, "mosaic_gpu" on CUDA, "tiled"
+      elsewhere), "megablox", "mosaic_gpu", "ragged_dot" or "tiled".
     num_shared_experts: dense SwiGLU experts every token goes through, summed (default 0).
     shared_d_ff: hidden width of each shared expert (default None: `d_ff`).
+    shared_expert_gate: scale the shared experts' output (their sum) per token by
+      `sigmoid(x @ shared_gate_D)` (default False; Qwen2-MoE). True gives `MoEParams` a
+      trained float32 `shared_gate_D` [D]; needs num_shared_experts >= 1.
     normalize_top_k: rescale each token's K weights to sum to 1 (default True).
+    normalize_p: with `normalize_top_k`, divide each token's K weights by their p-norm
+      `(sum_j |w_j|^p)^(1/p)`, a real p >= 1 (default 1.0: their sum; DBRX's
+      `moe_normalize_expert_weights`).
     score_func: the top_k router's scores, "softmax" (default) or "sigmoid" (DeepSeek-V3;
       its balance loss is then the sequence-wise one, `balance.sequence_balance_loss`).
     num_groups: expert groups of the top_k router (default 1: none); must divide E.
@@ -92,9 +118,16 @@ class MoEConfig:
       <= top_k_groups * E / num_groups (DeepSeek-V3: 8 groups, keep 4).
     routed_scaling: factor on the routed experts' combine weights (default 1.0; DeepSeek-V3
       2.5).
+    weights_on: where the combine weights apply: "output" (default; `y = sum_j w_j *
+      expert_j(x)`) or "input" (`y = sum_j expert_j(w_j * x)`, Llama-4). "input" sends
+      each (token, slot) item as its own row, `w_j * x` (`layer.moe_layer`).
     bias_balancing: aux-loss-free balancing (default False). True gives `MoEParams` a
       float32 `router_bias` [E], added to the scores for top-k selection only (no
       gradient), moved by `balance.update_router_bias` after each step.
+    router_logit_bias: a trained float32 `MoEParams.router_logit_bias` [E] added to the
+      router logits before the router (and the z-loss) sees them (default False; gpt-oss's
+      router is a Linear with a bias). Zeros at init; it gets gradients. Independent of
+      `bias_balancing` (both may be on).
     routing_groups: how many runs of consecutive tokens the router ranks on its own (matters
       for expert choice; top-k is per token). Default None: one group per device on a mesh
       whose size divides the tokens, else one group of all the tokens of the call (see
@@ -115,7 +148,10 @@ class MoEConfig:
   d_ff: int
   num_experts: int
   top_k: int
-  expert_type: str = "swiglu"
+  expert_type: str | type = "swiglu"
+  expert_bias: bool = False
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
   router: str | Callable = "top_k"
   impl: str | Callable = "auto"
   capacity_factor: float | None = None
@@ -124,12 +160,16 @@ class MoEConfig:
   gmm_impl: str = "auto"
   num_shared_experts: int = 0
   shared_d_ff: int | None = None
+  shared_expert_gate: bool = False
   normalize_top_k: bool = True
+  normalize_p: float = 1.0
   score_func: str = "softmax"
   num_groups: int = 1
   top_k_groups: int | None = None
   routed_scaling: float = 1.0
+  weights_on: str = "output"
   bias_balancing: bool = False
+  router_logit_bias: bool = False
   routing_groups: int | None = None
   load_balance_coef: float = 1e-2
   z_loss_coef: float = 1e-3
@@ -149,15 +189,9 @@ class MoEConfig:
       raise ValueError(
         f"{fn}: top_k must be <= num_experts ({self.num_experts}) (got {self.top_k})"
       )
-    _checks.choice_field(fn, "expert_type", self.expert_type, EXPERT_TYPES)
-    _checks.choice_field(fn, "gmm_impl", self.gmm_impl, GMM_IMPLS)
+    _checks.choice_field(fn, "gmm_impl", self.gmm_impl, GMM_CHOICES)
     put("router", _table_field("router", self.router, tuple(ROUTERS)))
-    put("impl", _table_field("impl", self.impl, IMPLS))
-    if self.expert_type == "linear" and self.d_ff != self.d_model:
-      raise ValueError(
-        f"{fn}: d_ff must equal d_model ({self.d_model}) when "
-        f"expert_type is 'linear', whose experts map D to F (got {self.d_ff})"
-      )
+    put("impl", _table_field("impl", self.impl, DISPATCH_CHOICES))
     if self.capacity_factor is not None:
       put(
         "capacity_factor",
@@ -171,7 +205,15 @@ class MoEConfig:
     )
     if self.shared_d_ff is not None:
       put("shared_d_ff", _checks.int_field(fn, "shared_d_ff", self.shared_d_ff, 1))
+    _checks.bool_field(fn, "shared_expert_gate", self.shared_expert_gate)
+    if self.shared_expert_gate and self.num_shared_experts == 0:
+      raise ValueError(
+        f"{fn}: shared_expert_gate=True needs num_shared_experts >= 1, the experts it "
+        f"gates (got num_shared_experts=0)"
+      )
     _checks.bool_field(fn, "normalize_top_k", self.normalize_top_k)
+    put("normalize_p", check_normalize_p(fn, self.normalize_p))
+    _checks.choice_field(fn, "weights_on", self.weights_on, WEIGHTS_ON)
     self._check_router_fields(fn, put)
     for name in ("load_balance_coef", "z_loss_coef"):
       put(name, _checks.real_field(fn, name, getattr(self, name), positive=False))
@@ -179,6 +221,34 @@ class MoEConfig:
     if self.compute_dtype is not None:
       put("compute_dtype", _checks.dtype_field(fn, "compute_dtype", self.compute_dtype))
     put("expert_axis", _checks.expert_axis_field(fn, self.expert_axis))
+    self._check_expert_fields(fn, put)
+
+  def _check_expert_fields(self, fn, put):
+    """Checks expert_type, expert_bias and the FFN fields, and that the FFN maps D to D."""
+    cls = expert_class(fn, self.expert_type)
+    _checks.bool_field(fn, "expert_bias", self.expert_bias)
+    put("swiglu_alpha", _checks.real_field(fn, "swiglu_alpha", self.swiglu_alpha, positive=True))
+    put("swiglu_limit", _checks.real_field(fn, "swiglu_limit", self.swiglu_limit, positive=True))
+    label = self.expert_type if isinstance(self.expert_type, str) else cls.__name__
+    reads = set(getattr(cls, "CONFIG_FIELDS", {}).values())
+    for name, default in FFN_FIELDS.items():
+      if name not in reads and getattr(self, name) != default:
+        raise ValueError(
+          f"{fn}: {name} must be {default!r} with expert_type {label!r}, which does not "
+          f"read it (got {getattr(self, name)!r})"
+        )
+    shapes = cls.param_shapes(self)
+    D = self.d_model
+    if (shapes.d_in, shapes.d_out) != (D, D):
+      raise ValueError(
+        f"{fn}: the experts of expert_type {label!r} must map d_model ({D}) to d_model "
+        f"(got d_in {shapes.d_in}, d_out {shapes.d_out}; 'linear' maps d_model to d_ff)"
+      )
+
+  @property
+  def expert_class(self) -> type:
+    """The FFN class of `expert_type` (`experts.EXPERTS[expert_type]`, or the class)."""
+    return expert_class("MoEConfig", self.expert_type)
 
   def _check_router_fields(self, fn, put):
     """Checks the fields of the top_k router and of balancing, and what expert choice uses."""
@@ -203,6 +273,7 @@ class MoEConfig:
       "routed_scaling", _checks.real_field(fn, "routed_scaling", self.routed_scaling, positive=True)
     )
     _checks.bool_field(fn, "bias_balancing", self.bias_balancing)
+    _checks.bool_field(fn, "router_logit_bias", self.router_logit_bias)
     if self.routing_groups is not None:
       put("routing_groups", _checks.int_field(fn, "routing_groups", self.routing_groups, 1))
     if self.router == "expert_choice":
@@ -215,11 +286,11 @@ class MoEConfig:
           )
 
   @property
-  def shared_hidden(self):
+  def shared_hidden(self) -> int:
     """Hidden width of each shared expert: `shared_d_ff`, or `d_ff` when that is None."""
     return self.d_ff if self.shared_d_ff is None else self.shared_d_ff
 
-  def capacity(self, num_tokens):
+  def capacity(self, num_tokens: int) -> int | None:
     """Items each expert takes in a call of `num_tokens` tokens; None when dropless.
 
     The top_k router's capacity over a whole call (expert choice applies its own, per

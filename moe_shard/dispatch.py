@@ -20,11 +20,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
+from jax.sharding import AbstractMesh, Mesh
+from jaxtyping import Array, Float
 
 from moe_shard import local, parallel
 from moe_shard.sharding import auto, axis_size
+
+if TYPE_CHECKING:  # config.py imports this module
+  from moe_shard.config import MoEConfig
+
+# A dispatch function: (x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg) -> (y_TF, stats).
+DispatchFn = Callable[..., tuple[Float[Array, "T F"], dict[str, Any]]]
 
 
 def masked_scan(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
@@ -73,7 +82,7 @@ def ragged_all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
     weights_TK,
     mesh=mesh,
     expert_axis=cfg.expert_axis,
-    capacity=cfg.recv_capacity,
+    recv_capacity=cfg.recv_capacity,
     return_stats=True,
     gmm_impl=cfg.gmm_impl,
   )
@@ -88,11 +97,11 @@ class Dispatch:
     needs_mesh: it splits experts over the mesh's expert axis (a mesh is required).
   """
 
-  fn: Callable
+  fn: DispatchFn
   needs_mesh: bool = False
 
 
-DISPATCHES = {
+DISPATCHES: dict[str, Dispatch] = {
   "masked_scan": Dispatch(masked_scan),
   "ragged_dot": Dispatch(ragged_dot),
   "all_gather": Dispatch(all_gather, needs_mesh=True),
@@ -100,11 +109,8 @@ DISPATCHES = {
   "ragged_all_to_all": Dispatch(ragged_all_to_all, needs_mesh=True),
 }
 
-# Where "auto" takes the ragged dispatch: platforms whose XLA has ragged-all-to-all.
-RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
-
-def choose_impl(cfg, mesh=None):
+def choose_impl(cfg: MoEConfig, mesh: Mesh | AbstractMesh | None = None) -> str | DispatchFn:
   """Resolves `cfg.impl` for a mesh.
 
   Args:
@@ -122,19 +128,25 @@ def choose_impl(cfg, mesh=None):
   if cfg.impl != "auto":
     return cfg.impl
   if mesh is not None and axis_size(mesh, cfg.expert_axis) > 1:
-    return "ragged_all_to_all" if _platform(mesh) in RAGGED_PLATFORMS else "all_to_all"
+    ragged = _platform(mesh) in parallel.RAGGED_PLATFORMS
+    return "ragged_all_to_all" if ragged else "all_to_all"
   return "ragged_dot"
 
 
 def _platform(mesh):
-  """The platform of a mesh's devices ("tpu", "cpu", ...); for an AbstractMesh, which has no
-  devices, the default backend's."""
+  """The platform of a mesh's devices in `lax.platform_dependent`'s names ("tpu", "cuda",
+  "rocm", "cpu", ...); for an AbstractMesh, which has no devices, the default device's."""
   try:
-    return mesh.devices.flat[0].platform.lower()
+    device = mesh.devices.flat[0]
   except (AttributeError, IndexError, TypeError, ValueError):
-    return jax.default_backend()
+    device = jax.devices()[0]
+  platform = device.platform.lower()
+  if platform == "gpu":  # a device says "gpu" for CUDA and ROCm alike; its client tells which
+    version = device.client.platform_version.lower()
+    platform = next((p for p in ("cuda", "rocm") if p in version), platform)
+  return platform
 
 
-def get_dispatch(impl):
+def get_dispatch(impl: str | DispatchFn) -> Dispatch:
   """The `Dispatch` of a resolved impl: a table entry, or a user's function (no mesh rule)."""
   return DISPATCHES[impl] if isinstance(impl, str) else Dispatch(impl)

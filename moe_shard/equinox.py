@@ -21,7 +21,8 @@ Importing `moe_shard` does not import Equinox; this module does.
 from __future__ import annotations
 
 import equinox as eqx
-import jax
+from jax.sharding import AbstractMesh, Mesh
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.layer import moe_layer
@@ -49,15 +50,19 @@ class MoE(eqx.Module):
 
   params: MoEParams
   cfg: MoEConfig = eqx.field(static=True)
-  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = eqx.field(static=True)
+  mesh: Mesh | AbstractMesh | None = eqx.field(static=True)
 
-  def __init__(self, cfg, *, key, mesh=None):
+  def __init__(
+    self, cfg: MoEConfig, *, key: PRNGKeyArray, mesh: Mesh | AbstractMesh | None = None
+  ) -> None:
     fn = "moe_shard.equinox.MoE"
     check_config(fn, cfg)
     self.cfg = cfg
     self.mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
     self.params = init_moe_params(key, cfg, mesh=self.mesh)
 
-  def __call__(self, x_BSD):
+  def __call__(
+    self, x_BSD: Float[Array, "B S D"]
+  ) -> tuple[Float[Array, "B S D"], dict[str, Array]]:
     """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`)."""
     return moe_layer(self.params, x_BSD, self.cfg, mesh=self.mesh)

@@ -1,98 +1,390 @@
 """Expert computations: what one expert does to the tokens routed to it.
 
-An expert FFN is a pytree whose every leaf has the expert axis first, plus a `__call__`
-that maps tokens to outputs through a `matmul(x_MD, w_E..)` function supplied by the
-dispatch strategy. The FFN never indexes experts itself, so the same code runs
+`EXPERTS` is the table of expert FFNs, name -> class (`MoEConfig(expert_type=...)` takes a
+name or a class):
 
-  * on grouped tokens: `matmul` is the grouped matmul and the leaves are `[E, ...]`;
-  * on one expert: the masked-scan reference passes leaves sliced to `[...]` and a dense
-    `matmul`.
+    "linear"          Linear(w_EDF, b_EF)             y = x @ w + b
+    "swiglu"          SwiGLU(gate, up, down, biases)  y = (silu(x@gate + gb) * (x@up + ub)) @ down + db
+    "gelu"            GeluMLP(up, down, biases)       y = gelu(x@up + ub) @ down + db
+    "geglu"           GeGLU(gate, up, down, biases)   y = (gelu(x@gate + gb) * (x@up + ub)) @ down + db
+    "clamped_swiglu"  ClampedSwiGLU(..., alpha, limit)  gpt-oss's clamped SwiGLU
 
-A third FFN type is one new dataclass with `d_in`, `d_out` and `__call__`; no dispatch code
-changes. A bare `f[E, D, F]` array is accepted wherever an FFN is and means `Linear`.
+(GELU is the exact erf form.) Each class is a frozen dataclass pytree whose array fields
+have the expert axis first: matrices `[E, in, out]`, each optionally followed by a bias
+`[E, out]` (None: no bias); constants such as ClampedSwiGLU's `alpha` are static fields
+(`dataclasses.field(metadata=dict(static=True))`), part of the tree structure. A field's
+name ends in its shape letters (`gate_EDF`, `down_b_ED`), which `ExpertFFN.param_shapes`
+and `ExpertFFN.check_shapes` read.
+
+`__call__(x_MD, matmul)` maps tokens to outputs through a matmul supplied by the dispatch;
+the FFN never indexes experts itself, so the same code runs
+
+  * on grouped tokens: `matmul` is a `GroupedMatmul` and the leaves are `[E, ...]`;
+  * on one expert: the masked-scan reference passes leaves sliced to `[...]` and
+    `dense_matmul`.
+
+`matmul(x_MD, w)` multiplies, accumulating in float32: the dispatches' `GroupedMatmul`
+stores the products in the compute dtype (x's), `dense_matmul` in float32, and an FFN's
+output is in that dtype. `matmul.add_bias(y_MF, b)` adds to each row the bias of the
+expert that row belongs to, and nothing to padding rows (rows past `sum(group_sizes)`),
+so a bias never reaches a row that no token sent. An FFN without biases needs only
+`matmul(x_MD, w)`. A new FFN is one class (subclass `ExpertFFN`, or give it `d_in`,
+`d_out`, `param_shapes` and `__call__`) and, to be named by a string, one `EXPERTS`
+entry. A bare `f[E, D, F]` array is accepted wherever an FFN is and means `Linear`.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
+from moe_shard.grouped_matmul import grouped_matmul
 from moe_shard.remat import MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP
+
+if TYPE_CHECKING:
+  from moe_shard.config import MoEConfig
+
+# Shape letters of a field name's suffix -> the `MoEConfig` field giving that size.
+SIZE_FIELDS = {"E": "num_experts", "D": "d_model", "F": "d_ff"}
+# What an FFN's `__call__` gets: `dense_matmul`, a `GroupedMatmul`, or (for FFNs without
+# biases) any `matmul(x_MD, w)`.
+Matmul = Callable[..., Array]
+
+# --------------------------------------------------------------------------- matmuls
+
+
+class DenseMatmul:
+  """One expert's matmul, for leaves without the expert axis (the masked scan).
+
+  `dense_matmul(x_MD, w_DF)` is `x @ w` accumulating in float32, f32[M, F];
+  `dense_matmul.add_bias(y_MF, b_F)` adds b to every row (the masked scan keeps only the
+  rows routed to the expert afterwards).
+  """
+
+  def __call__(self, x_MD: Float[Array, "M D"], w_DF: Float[Array, "D F"]) -> Float[Array, "M F"]:
+    return jnp.einsum(
+      "md,df->mf", x_MD, w_DF.astype(x_MD.dtype), preferred_element_type=jnp.float32
+    )
+
+  def add_bias(self, y_MF: Float[Array, "M F"], b_F: Float[Array, " F"]) -> Float[Array, "M F"]:
+    return (y_MF.astype(jnp.float32) + b_F.astype(jnp.float32)).astype(y_MF.dtype)
+
+
+dense_matmul = DenseMatmul()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmul:
+  """The matmul of rows sorted by expert: `grouped_matmul` with its group sizes bound.
+
+  Attributes:
+    group_sizes_G: int[G] rows of each group (expert); rows past their sum are padding.
+    impl: `grouped_matmul`'s backend (default "auto").
+    out_dtype: dtype of the products (default None: the dtype of x); they accumulate in
+      float32.
+  """
+
+  group_sizes_G: Int[Array, " G"]
+  impl: str = "auto"
+  out_dtype: jnp.dtype | None = None
+
+  def __call__(
+    self, x_MD: Float[Array, "M D"], w_GDF: Float[Array, "G D F"]
+  ) -> Float[Array, "M F"]:
+    """`y[m] = x[m] @ w[group of m]`, zeros past `sum(group_sizes_G)`."""
+    return grouped_matmul(
+      x_MD, w_GDF, self.group_sizes_G, impl=self.impl, preferred_element_type=self.out_dtype
+    )
+
+  def add_bias(self, y_MF: Float[Array, "M F"], b_GF: Float[Array, "G F"]) -> Float[Array, "M F"]:
+    """`y[m] + b[group of m]`; rows past `sum(group_sizes_G)` stay as they are.
+
+    One gather of M bias rows (each row's group from a binary search of the group ends),
+    with a zero row for the padding: no [M, G] one-hot, no extra matmul.
+    """
+    M = y_MF.shape[0]
+    ends_G = jnp.cumsum(self.group_sizes_G)
+    group_M = jnp.searchsorted(ends_G, jnp.arange(M, dtype=ends_G.dtype), side="right")
+    b_MF = jnp.take(b_GF, group_M, axis=0, mode="fill", fill_value=0)
+    return (y_MF.astype(jnp.float32) + b_MF.astype(jnp.float32)).astype(y_MF.dtype)
+
+
+def _affine(matmul, x_MD, w, b, name):
+  """`x @ w (+ b)` through the dispatch's matmul, named `name` for remat policies."""
+  y_MF = matmul(x_MD, w)
+  if b is not None:
+    y_MF = matmul.add_bias(y_MF, b)
+  return checkpoint_name(y_MF, name)
+
+
+# --------------------------------------------------------------------------- FFN classes
+
+
+def _static(default):
+  """A static dataclass field: a constant of the FFN, not a leaf."""
+  return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+def _array_fields(obj_or_cls):
+  return [f for f in dataclasses.fields(obj_or_cls) if not f.metadata.get("static")]
+
+
+class ExpertFFN:
+  """What the built-in FFN classes share: shapes from field names, and their checks.
+
+  A subclass is a frozen dataclass (registered with `jax.tree_util.register_dataclass`)
+  whose array fields end in their shape letters over `SIZE_FIELDS` (E experts, D model, F
+  hidden): `w_EDF` is a matrix [E, D, F]; a field that defaults to None is a bias, present
+  when `MoEConfig(expert_bias=True)`. `CONFIG_FIELDS` maps static fields to the
+  `MoEConfig` fields they take their values from.
+  """
+
+  CONFIG_FIELDS: ClassVar[dict[str, str]] = {}
+
+  @classmethod
+  def param_shapes(cls, cfg: MoEConfig) -> Self:
+    """The FFN of `cfg` with `jax.ShapeDtypeStruct` leaves (in `cfg.param_dtype`).
+
+    `init_moe_params` fills every leaf of rank 3 (a matrix [E, in, out]) with
+    normal / sqrt(in) and every leaf of rank 2 (a bias [E, out]) with zeros.
+    """
+    kw = {}
+    for f in _array_fields(cls):
+      if f.default is None and not cfg.expert_bias:
+        continue
+      shape = tuple(getattr(cfg, SIZE_FIELDS[c]) for c in f.name.rsplit("_", 1)[1])
+      kw[f.name] = jax.ShapeDtypeStruct(shape, cfg.param_dtype)
+    kw.update({name: getattr(cfg, field) for name, field in cls.CONFIG_FIELDS.items()})
+    return cls(**kw)
+
+  def check_shapes(self, fn: str) -> None:
+    """Raises ValueError unless the leaves' shapes agree with their names' letters."""
+    sizes, ok, got = {}, True, []
+    for f in _array_fields(self):
+      leaf = getattr(self, f.name)
+      if leaf is None:
+        continue
+      letters = f.name.rsplit("_", 1)[1]
+      got.append(f"{f.name} {tuple(leaf.shape)}")
+      if len(leaf.shape) != len(letters):
+        ok = False
+        continue
+      for c, n in zip(letters, leaf.shape):
+        ok &= sizes.setdefault(c, n) == n
+    if not ok:
+      want = ", ".join(
+        f"{f.name} [{', '.join(f.name.rsplit('_', 1)[1])}]"
+        for f in _array_fields(self)
+        if getattr(self, f.name) is not None
+      )
+      raise ValueError(
+        f"{fn}: {type(self).__name__} needs leaves {want}, one size per letter "
+        f"(got {', '.join(got)})"
+      )
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Linear:
-  """One matrix per expert: `y = x @ w_EDF[e]` (the seed problem).
+class Linear(ExpertFFN):
+  """One matrix per expert: `y = x @ w_EDF[e] + b_EF[e]`.
 
   Attributes:
     w_EDF: f[E, D, F].
+    b_EF: f[E, F] bias, or None (default).
   """
 
-  w_EDF: jax.Array
+  w_EDF: Float[Array, "E D F"]
+  b_EF: Float[Array, "E F"] | None = None
 
   @property
-  def d_in(self):
+  def d_in(self) -> int:
     return self.w_EDF.shape[-2]
 
   @property
-  def d_out(self):
+  def d_out(self) -> int:
     return self.w_EDF.shape[-1]
 
-  def __call__(self, x_MD, matmul):
-    """Applies the expert to tokens; returns f32[M, F] (named `MOE_EXPERT_OUT`)."""
-    return checkpoint_name(matmul(x_MD, self.w_EDF), MOE_EXPERT_OUT)
+  def __call__(self, x_MD: Float[Array, "M D"], matmul: Matmul) -> Float[Array, "M F"]:
+    """Applies the expert to tokens; returns [M, F] (named `MOE_EXPERT_OUT`)."""
+    return _affine(matmul, x_MD, self.w_EDF, self.b_EF, MOE_EXPERT_OUT)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatedFFN(ExpertFFN, abc.ABC):
+  """`y = h(x @ gate + gb, x @ up + ub) @ down + db`, `h` (`hidden`) from the subclass.
+
+  Attributes:
+    gate_EDF, up_EDF: f[E, D, F].
+    down_EFD: f[E, F, D].
+    gate_b_EF, up_b_EF: f[E, F] biases, or None (default).
+    down_b_ED: f[E, D] bias, or None (default).
+  """
+
+  gate_EDF: Float[Array, "E D F"]
+  up_EDF: Float[Array, "E D F"]
+  down_EFD: Float[Array, "E F D"]
+  gate_b_EF: Float[Array, "E F"] | None = None
+  up_b_EF: Float[Array, "E F"] | None = None
+  down_b_ED: Float[Array, "E D"] | None = None
+
+  @property
+  def d_in(self) -> int:
+    return self.gate_EDF.shape[-2]
+
+  @property
+  def d_out(self) -> int:
+    return self.down_EFD.shape[-1]
+
+  @abc.abstractmethod
+  def hidden(self, g_MF: Float[Array, "M F"], u_MF: Float[Array, "M F"]) -> Float[Array, "M F"]:
+    """The hidden activations h(g, u) from the gate and up pre-activations."""
+
+  def __call__(self, x_MD: Float[Array, "M D"], matmul: Matmul) -> Float[Array, "M D"]:
+    """Applies the expert to tokens; returns [M, D].
+
+    The two input matmuls (with their biases) are named `MOE_EXPERT_GATE` and
+    `MOE_EXPERT_UP`, the output `MOE_EXPERT_OUT` (`remat.py`).
+    """
+    g_MF = _affine(matmul, x_MD, self.gate_EDF, self.gate_b_EF, MOE_EXPERT_GATE)
+    u_MF = _affine(matmul, x_MD, self.up_EDF, self.up_b_EF, MOE_EXPERT_UP)
+    h_MF = self.hidden(g_MF, u_MF)
+    return _affine(matmul, h_MF.astype(x_MD.dtype), self.down_EFD, self.down_b_ED, MOE_EXPERT_OUT)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SwiGLU:
-  """Gated FFN `y = (silu(x @ gate) * (x @ up)) @ down` (Shazeer 2020).
+class SwiGLU(_GatedFFN):
+  """Gated FFN `y = (silu(x @ gate + gb) * (x @ up + ub)) @ down + db` (Shazeer 2020).
 
   Attributes:
-    gate_EDF: f[E, D, F].
-    up_EDF: f[E, D, F].
+    gate_EDF, up_EDF: f[E, D, F].
     down_EFD: f[E, F, D].
+    gate_b_EF, up_b_EF: f[E, F] biases, or None (default).
+    down_b_ED: f[E, D] bias, or None (default).
   """
 
-  gate_EDF: jax.Array
-  up_EDF: jax.Array
-  down_EFD: jax.Array
+  def hidden(self, g_MF: Float[Array, "M F"], u_MF: Float[Array, "M F"]) -> Float[Array, "M F"]:
+    return jax.nn.silu(g_MF) * u_MF
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GeGLU(_GatedFFN):
+  """Gated FFN `y = (gelu(x @ gate + gb) * (x @ up + ub)) @ down + db`, exact (erf) GELU.
+
+  Attributes:
+    gate_EDF, up_EDF: f[E, D, F].
+    down_EFD: f[E, F, D].
+    gate_b_EF, up_b_EF: f[E, F] biases, or None (default).
+    down_b_ED: f[E, D] bias, or None (default).
+  """
+
+  def hidden(self, g_MF: Float[Array, "M F"], u_MF: Float[Array, "M F"]) -> Float[Array, "M F"]:
+    return jax.nn.gelu(g_MF, approximate=False) * u_MF
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU(_GatedFFN):
+  """gpt-oss's clamped SwiGLU:
+
+      g = min(x @ gate + gb, limit);  u = clip(x @ up + ub, -limit, limit)
+      y = ((u + 1) * g * sigmoid(alpha * g)) @ down + db
+
+  Attributes:
+    gate_EDF, up_EDF: f[E, D, F].
+    down_EFD: f[E, F, D].
+    gate_b_EF, up_b_EF: f[E, F] biases, or None (default).
+    down_b_ED: f[E, D] bias, or None (default).
+    alpha: the sigmoid's slope (static; default 1.702, `MoEConfig.swiglu_alpha`).
+    limit: the clamp (static; default 7.0, `MoEConfig.swiglu_limit`).
+  """
+
+  CONFIG_FIELDS: ClassVar[dict[str, str]] = dict(alpha="swiglu_alpha", limit="swiglu_limit")
+
+  alpha: float = _static(1.702)
+  limit: float = _static(7.0)
+
+  def hidden(self, g_MF: Float[Array, "M F"], u_MF: Float[Array, "M F"]) -> Float[Array, "M F"]:
+    g_MF = jnp.minimum(g_MF, self.limit)
+    u_MF = jnp.clip(u_MF, -self.limit, self.limit)
+    return (u_MF + 1.0) * g_MF * jax.nn.sigmoid(self.alpha * g_MF)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GeluMLP(ExpertFFN):
+  """Two-matrix FFN `y = gelu(x @ up + ub) @ down + db`, exact (erf) GELU.
+
+  Attributes:
+    up_EDF: f[E, D, F].
+    down_EFD: f[E, F, D].
+    up_b_EF: f[E, F] bias, or None (default).
+    down_b_ED: f[E, D] bias, or None (default).
+  """
+
+  up_EDF: Float[Array, "E D F"]
+  down_EFD: Float[Array, "E F D"]
+  up_b_EF: Float[Array, "E F"] | None = None
+  down_b_ED: Float[Array, "E D"] | None = None
 
   @property
-  def d_in(self):
-    return self.gate_EDF.shape[-2]
+  def d_in(self) -> int:
+    return self.up_EDF.shape[-2]
 
   @property
-  def d_out(self):
+  def d_out(self) -> int:
     return self.down_EFD.shape[-1]
 
-  def check_shapes(self, fn):
-    """Raises ValueError unless gate, up are [E, D, F] and down is [E, F, D]."""
-    g, u, d = self.gate_EDF.shape, self.up_EDF.shape, self.down_EFD.shape
-    if len(g) != 3 or u != g or d != (g[0], g[2], g[1]):
-      raise ValueError(
-        f"{fn}: SwiGLU needs gate_EDF and up_EDF of one shape [E, D, F] and "
-        f"down_EFD of shape [E, F, D] (got gate {g}, up {u}, down {d})"
-      )
-
-  def __call__(self, x_MD, matmul):
-    """Applies the expert to tokens; returns f32[M, D].
-
-    The two input matmuls are named `MOE_EXPERT_GATE` and `MOE_EXPERT_UP`, the output
-    `MOE_EXPERT_OUT` (`remat.py`).
-    """
-    g_MF = checkpoint_name(matmul(x_MD, self.gate_EDF), MOE_EXPERT_GATE)
-    u_MF = checkpoint_name(matmul(x_MD, self.up_EDF), MOE_EXPERT_UP)
-    h_MF = jax.nn.silu(g_MF) * u_MF
-    return checkpoint_name(matmul(h_MF.astype(x_MD.dtype), self.down_EFD), MOE_EXPERT_OUT)
+  def __call__(self, x_MD: Float[Array, "M D"], matmul: Matmul) -> Float[Array, "M D"]:
+    """Applies the expert to tokens; returns [M, D] (`MOE_EXPERT_UP`, `MOE_EXPERT_OUT`)."""
+    u_MF = _affine(matmul, x_MD, self.up_EDF, self.up_b_EF, MOE_EXPERT_UP)
+    h_MF = jax.nn.gelu(u_MF, approximate=False)
+    return _affine(matmul, h_MF.astype(x_MD.dtype), self.down_EFD, self.down_b_ED, MOE_EXPERT_OUT)
 
 
-def as_ffn(fn, w):
+EXPERTS = {
+  "linear": Linear,
+  "swiglu": SwiGLU,
+  "gelu": GeluMLP,
+  "geglu": GeGLU,
+  "clamped_swiglu": ClampedSwiGLU,
+}
+
+
+def expert_class(fn: str, expert_type: str | type) -> type:
+  """Returns the FFN class of an `EXPERTS` name or of a class (checked to be one).
+
+  Raises:
+    ValueError: an unknown name.
+    TypeError: neither a str nor a class with `param_shapes`, `d_in`, `d_out`, `__call__`.
+  """
+  if isinstance(expert_type, str):
+    if expert_type in EXPERTS:
+      return EXPERTS[expert_type]
+    raise ValueError(
+      f"{fn}: expert_type must be one of {tuple(EXPERTS)} or an expert FFN class "
+      f"(got {expert_type!r})"
+    )
+  needs = ("param_shapes", "d_in", "d_out", "__call__")
+  if not isinstance(expert_type, type) or not all(hasattr(expert_type, a) for a in needs):
+    raise TypeError(
+      f"{fn}: expert_type must be a name of EXPERTS or an expert FFN class with "
+      f"{', '.join(needs)} (got {expert_type!r})"
+    )
+  return expert_type
+
+
+def as_ffn(fn: str, w: Any) -> tuple[Any, int]:
   """Returns `w` as an expert FFN and its number of experts, checking every leaf agrees.
 
   Args:
@@ -127,11 +419,7 @@ def as_ffn(fn, w):
     raise ValueError(
       f"{fn}: every leaf of w must have the same number of experts on axis 0 (got {listed})"
     )
-  if hasattr(w, "check_shapes"):
-    w.check_shapes(fn)
+  check_shapes = getattr(w, "check_shapes", None)
+  if check_shapes is not None:
+    check_shapes(fn)
   return w, next(iter(sizes.values()))
-
-
-def dense_matmul(x_MD, w_DF):
-  """`x @ w` for one expert's matrix, accumulating in float32; returns f32[M, F]."""
-  return jnp.einsum("md,df->mf", x_MD, w_DF.astype(x_MD.dtype), preferred_element_type=jnp.float32)

@@ -53,10 +53,9 @@ from moe_shard.gmm_pallas import (
   no_vma_check,
   round_up,
   vary_like,
-  vary_together,
   zero_past_groups,
 )
-from moe_shard.sharding import varying_axes
+from moe_shard.sharding import match_vma, varying_axes
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # what the kernels' warpgroup MMAs take here
 
@@ -81,13 +80,12 @@ def default_blocks(M, D, F, dtype, *, num_groups=1):
   Rule: block_m = block_n = 128 (two 64-row warpgroup MMAs by a 128-wide tile), block_k =
   128 bytes of the dtype (64 elements: one 128-byte swizzled shared-memory row),
   max_concurrent_steps = 4 (4 steps of 128x64 + 64x128 bf16 = 128 KiB of the 227 KiB of
-  shared memory, with the 32 KiB output tile), grid_block_n = 1. Measured on an H100
-  (M=32768, D=2048, F=4096, bf16, JAX 0.11.2): forward+backward 0.50-0.51x a dense
-  matmul's speed at G=8, 0.47x at G=32, 0.30x at G=128 (bench/results/gpu_h100_gmm.md).
-  Tuning note: at G=128 (uniform) the sweep in bench/results/gpu_h100_sweep.md measured
-  BlockConfig(64, 256, 64, 4, 1) at 0.39x and grid_block_n=4 at 0.37x; neither is the
-  default yet: only G=128 was swept, and their outputs were not checked on a GPU. The
-  arguments are the problem's, for rules that depend on them; this one does not yet.
+  shared memory, with the 32 KiB output tile), grid_block_n = 1; its speed against a dense
+  matmul is in bench/results/gpu_h100_gmm.md (`python -m bench.gpu`). At G=128 (uniform)
+  the block sweep (bench/results/gpu_h100_sweep.md) found BlockConfig(64, 256, 64, 4, 1)
+  and grid_block_n=4 faster; neither is the default: only G=128 was swept, and their
+  outputs were not checked on a GPU. The arguments are the problem's, for rules that
+  depend on them; this one does not.
 
   Args:
     M, D, F: problem sizes (ints).
@@ -210,9 +208,10 @@ def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, b
   ):
     raise ValueError(f"{fn}: blocks must be a BlockConfig of positive ints (got {blocks!r})")
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
-  x_MD, w_GDF, group_sizes_G = vary_together(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
+  x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
   Q, Dp, Fp = padded_sizes(M, D, F, blocks)
   x_QD = jnp.pad(x_MD, ((0, Q - M), (0, Dp - D)))
   w_GDF = jnp.pad(w_GDF, ((0, 0), (0, Dp - D), (0, Fp - F)))
   y_QF = _gmm(x_QD, w_GDF, group_sizes_G, blocks)
-  return y_QF[:M, :F].astype(out_dtype)
+  # JAX types a custom_vjp made with functools.partial as returning object.
+  return y_QF[:M, :F].astype(out_dtype)  # pyright: ignore[reportIndexIssue]

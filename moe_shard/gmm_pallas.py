@@ -8,8 +8,8 @@ kernels leave unwritten, and tracing a `pallas_call` inside `jax.shard_map` with
   * Their pallas_calls declare outputs without mesh-axis types, which Pallas rejects inside
     a `shard_map` with check_vma: they are traced with JAX's internal check_vma flag off
     (`no_vma_check`) and their outputs cast to vary like the inputs (`vary_like`). Inputs
-    that do not vary (e.g. replicated w) are cast to varying first, so a replicated w's
-    gradient comes back summed over the devices.
+    that do not vary (e.g. replicated w) are cast to varying first (`sharding.match_vma`),
+    so a replicated w's gradient comes back summed over the devices.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax._src.config
 import jax.numpy as jnp
 
 from moe_shard import _checks
@@ -77,11 +78,6 @@ def vary_like(axes, *arrays):
     else jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying")
     for a in arrays
   )
-
-
-def vary_together(*arrays):
-  """Casts the arrays to vary over the union of their axes (no-op outside shard_map)."""
-  return vary_like(frozenset().union(*map(varying_axes, arrays)), *arrays)
 
 
 def no_vma_check():

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_shard.sharding import zeros_varying
+from moe_shard.sharding import fori_while, zeros_varying
 
 DEFAULT_MAX_TILE = 256
 # Smallest tile the default schedule prefers. On XLA:CPU each tile is one dot call, which
@@ -185,18 +185,6 @@ def _own_zeros(shape, w_GDF, *refs):
   return zeros_varying(shape, jnp.float32, w_GDF, *refs) + zero
 
 
-def _fori(count, body, init):
-  """`fori_loop(0, count, body, init)` for a traced `count`, as a plain while_loop."""
-
-  def cond(c):
-    return c[0] < count
-
-  def step(c):
-    return c[0] + 1, body(c[0], c[1])
-
-  return jax.lax.while_loop(cond, step, (jnp.zeros((), jnp.int32), init))[1]
-
-
 def _for_each_tile(sched, g, num_rows, body, carry):
   """Runs body(tile, row0, mask_t1, carry) over the tiles of group g, one loop per size.
 
@@ -219,14 +207,14 @@ def _for_each_tile(sched, g, num_rows, body, carry):
       return body(t, row0, mask_t1, carry)
 
     with jax.named_scope(f"{TILE_SCOPE}{t}"):  # names the loop for `measure`
-      carry = _fori(sched.count_GL[g, l], step, carry)
+      carry = fori_while(0, sched.count_GL[g, l], step, carry)
   return carry
 
 
 def _for_each_group(sched, body, carry):
   """Runs body(g, carry) for each non-empty group g."""
   with jax.named_scope(GROUP_SCOPE):
-    return _fori(sched.num_groups, lambda i, c: body(sched.groups[i], c), carry)
+    return fori_while(0, sched.num_groups, lambda i, c: body(sched.groups[i], c), carry)
 
 
 def _padded_rows(M, tiles):

@@ -19,9 +19,9 @@ group boundary inside a tile. What megablox does not take as is:
   * `jax.shard_map` with check_vma: megablox's pallas_calls declare outputs without mesh-axis
     types, which Pallas rejects there; they are traced with JAX's internal check_vma flag
     off and their outputs cast to vary like the inputs. Inputs that do not vary (e.g.
-    replicated w) are cast to varying first, as in `grouped_matmul`, so a replicated w's
-    gradient comes back summed over the devices. (These helpers, shared with the GPU
-    backend `gmm_gpu`, live in `gmm_pallas`.)
+    replicated w) are cast to varying first (`sharding.match_vma`, as in `grouped_matmul`),
+    so a replicated w's gradient comes back summed over the devices. (The other helpers,
+    shared with the GPU backend `gmm_gpu`, live in `gmm_pallas`.)
 
 megablox also takes `group_offset` (groups [offset, offset + rhs groups) of the sizes, rhs
 holding only those: a device's local experts) and `existing_out` (accumulate into an
@@ -42,9 +42,9 @@ from moe_shard.gmm_pallas import (
   no_vma_check,
   round_up,
   vary_like,
-  vary_together,
   zero_past_groups,
 )
+from moe_shard.sharding import match_vma
 from moe_shard.sharding import varying_axes as _varying_axes
 
 # The kernel module, not `megablox.gmm` (the package re-exports ops.gmm under that name).
@@ -198,9 +198,10 @@ def megablox_gmm(
   tm, tk, tn = tiling = tuple(tiling)
   # Sizes that end by M: rows past M (and the padding below) belong to no group.
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
-  x_MD, w_GDF, group_sizes_G = vary_together(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
+  x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
   Q, Dp, Fp = round_up(max(M, 1), tm), round_up(D, tk), round_up(F, tn)
   x_QD = jnp.pad(x_MD, ((0, Q - M), (0, Dp - D)))
   w_GDF = jnp.pad(w_GDF, ((0, 0), (0, Dp - D), (0, Fp - F)))
   y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, bool(interpret))
-  return y_QF[:M, :F]
+  # JAX types a custom_vjp made with functools.partial as returning object.
+  return y_QF[:M, :F]  # pyright: ignore[reportIndexIssue]

@@ -16,15 +16,16 @@ max_tile, min_tile) -> [M, F]` (products accumulated in float32, the result writ
   * "mosaic_gpu" (`gmm_gpu.py`): JAX's Mosaic GPU Pallas kernels for Hopper (ragged_dot
     forward and dx, transposed_ragged_dot dw): routed FLOPs forward and backward, the CUDA
     backend. bfloat16 and float16 only (y rounded to x's dtype before the cast to
-    `out_dtype`); other dtypes, float32 included, take "ragged_dot". On an H100 (M=32768,
-    D=2048, F=4096, bf16) 0.50-0.51x a dense matmul's speed forward+backward at G=8, 0.47x at
-    G=32, 0.30x at G=128, where `lax.ragged_dot` runs at 0.12x and 0.03x at G=8 and 32
-    (bench/results/gpu_h100_gmm.md). It runs only on a Hopper GPU; elsewhere it is only
-    traced (see `PLATFORM_BACKENDS`).
+    `out_dtype`); other dtypes, float32 included, take "ragged_dot". It does the routed
+    FLOPs where `lax.ragged_dot` on GPU does G times them, so the gap grows with G (measured
+    on an H100 against `lax.ragged_dot` and a dense matmul: bench/results/gpu_h100_gmm.md,
+    `python -m bench.gpu`). It runs only on a Hopper GPU; elsewhere it is only traced (see
+    `PLATFORM_BACKENDS`).
   * "ragged_dot": `lax.ragged_dot`. Native on TPU (forward); on CPU and GPU XLA lowers it to
     a masked dense product over all G groups: G times the routed FLOPs and a `[G, M, ...]`
-    temporary. On TPU its weight gradient is such a dense product too (compiled for v5e:
-    3.3x the routed FLOPs forward+backward at G=8, 11x at G=32).
+    temporary. On TPU its weight gradient is such a dense product too, so its FLOPs
+    forward+backward grow with G (compiled for v5e: bench/results/gmm_tpu_v5e.md,
+    `python -m bench.gmm_tpu`).
 
 `PLATFORM_BACKENDS` maps a platform to the backend "auto" picks there, through
 `lax.platform_dependent`, so the choice follows the platform the program is compiled for
@@ -36,8 +37,12 @@ inside shard_map and under a differentiated `lax.scan` over layers: tests/test_g
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
 from moe_shard.gmm_gpu import DTYPES as MOSAIC_GPU_DTYPES
@@ -52,7 +57,9 @@ def tiled(x_MD, w_GDF, group_sizes_G, *, out_dtype, max_tile=None, min_tile=None
   """The "tiled" backend (`gmm_tiled`); tile sizes default to `default_tiles(M, G)`."""
   M, G = x_MD.shape[0], w_GDF.shape[0]
   tiles = tile_sizes(M, *_tiles_or_default(M, G, max_tile, min_tile))
-  return gmm_tiled(x_MD, w_GDF, group_sizes_G, tiles).astype(out_dtype)
+  # JAX types a custom_vjp made with functools.partial as returning object.
+  y_MF = gmm_tiled(x_MD, w_GDF, group_sizes_G, tiles)
+  return y_MF.astype(out_dtype)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def ragged_dot(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
@@ -66,9 +73,8 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   write `out_dtype` themselves (f32 accumulators inside).
 
   One group (G = 1, e.g. one expert per device) takes `lax.ragged_dot`: with a single group
-  its gradient is no denser than it must be, and compiled for v5e (M=8192, D=2048, F=4096,
-  bf16) it accesses 1.33 GB forward+backward against megablox's 1.60 GB (megablox re-reads
-  w for every row tile).
+  its gradient is no denser than it must be, and it accesses fewer HBM bytes than megablox,
+  which re-reads w for every row tile (compiled for v5e: bench/results/gmm_tpu_v5e.md).
   """
   if x_MD.dtype not in MEGABLOX_DTYPES or w_GDF.shape[0] == 1:
     return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
@@ -91,7 +97,7 @@ def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   return mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype)
 
 
-BACKENDS = {
+BACKENDS: dict[str, Callable[..., Array]] = {
   "megablox": megablox,
   "mosaic_gpu": mosaic_gpu,
   "ragged_dot": ragged_dot,
@@ -106,19 +112,19 @@ BACKENDS = {
 # lax.ragged_dot_general, see gmm_gpu), in shard_map and in scan-over-layers training.
 PLATFORM_BACKENDS = {"tpu": "megablox", "cuda": "mosaic_gpu"}
 DEFAULT_BACKEND = "tiled"
-IMPLS = ("auto", *BACKENDS)
+GMM_CHOICES = ("auto", *BACKENDS)
 
 
 def grouped_matmul(
-  x_MD,
-  w_GDF,
-  group_sizes_G,
+  x_MD: Float[Array, "M D"],
+  w_GDF: Float[Array, "G D F"],
+  group_sizes_G: Int[Array, " G"],
   *,
-  impl="auto",
-  preferred_element_type=None,
-  max_tile=None,
-  min_tile=None,
-):
+  impl: str = "auto",
+  preferred_element_type: DTypeLike | None = None,
+  max_tile: int | None = None,
+  min_tile: int | None = None,
+) -> Float[Array, "M F"]:
   """Multiplies each group of rows by its group's matrix.
 
   Args:
@@ -146,7 +152,7 @@ def grouped_matmul(
   x_MD = _checks.float_array(fn, "x_MD", x_MD, ndim=2)
   w_GDF = _checks.float_array(fn, "w_GDF", w_GDF, ndim=3)
   group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
-  _checks.choice_field(fn, "impl", impl, IMPLS)
+  _checks.choice_field(fn, "impl", impl, GMM_CHOICES)
   if x_MD.shape[1] != w_GDF.shape[1]:
     raise ValueError(f"{fn}: w_GDF's D ({w_GDF.shape[1]}) must equal x_MD's D ({x_MD.shape[1]})")
   if group_sizes_G.shape != (w_GDF.shape[0],):

@@ -2,17 +2,23 @@
 
     y[t] = shared(x[t]) + sum_j G[t, j] * expert(W[B[t, j]], x[t])
 
+(with `weights_on="input"`: `expert(W[B[t, j]], G[t, j] * x[t])`, unweighted sum; with
+`shared_expert_gate`: `shared(x[t])` times `sigmoid(x[t] @ shared_gate_D)`).
+
 `moe_layer` composes the three independent choices of the package, each a named stage:
 
-  * route    (`routing.py`): float32 router logits -> the router of `MoEConfig.router`
+  * route    (`routing.py`): float32 router logits (plus `params.router_logit_bias` with
+    `router_logit_bias`) -> the router of `MoEConfig.router`
     (default softmax top-k; with `bias_balancing`, `params.router_bias` shifts the
     selection) run on each routing group -> (weights, experts); the auxiliary losses
     (`balance.py`); then, with a capacity, `drop_over_capacity` sets the expert id of
     every item past its expert's capacity to -1 (expert choice applies its own).
   * dispatch (`dispatch.py`): an entry of `DISPATCHES` or the user's function, chosen by
     `MoEConfig.impl`. Ids outside [0, E) contribute zero in every one of them, so capacity
-    drops give the same result whatever the implementation.
-  * experts  (`experts.py`): `SwiGLU` or `Linear`, expert axis first.
+    drops give the same result whatever the implementation. With `weights_on="input"` the
+    dispatch gets the T*K items `G[t, j] * x[t]`, one expert each with weight 1
+    (`input_weighted_items`), and the layer sums each token's K outputs.
+  * experts  (`experts.py`): a class of `EXPERTS` (`cfg.expert_type`), expert axis first.
 
 Parameters are a `MoEParams` pytree built by `init_moe_params`; with a mesh they are created
 already placed: expert weights split over the expert axis, router and shared experts
@@ -35,13 +41,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
 from moe_shard.balance import expert_load, router_z_loss
-from moe_shard.config import check_config
+from moe_shard.config import MoEConfig, check_config
 from moe_shard.dispatch import choose_impl, get_dispatch
-from moe_shard.params import _check_params, moe_param_specs
+from moe_shard.params import MoEParams, _check_params, moe_param_specs
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
 from moe_shard.sharding import (
@@ -58,7 +66,9 @@ from moe_shard.sharding import (
 # --------------------------------------------------------------------------- routing stage
 
 
-def num_routing_groups(cfg, num_tokens, mesh=None):
+def num_routing_groups(
+  cfg: MoEConfig, num_tokens: int, mesh: Mesh | AbstractMesh | None = None
+) -> int:
   """Returns G, the routing groups of a call: runs of consecutive tokens routed on their own.
 
   A router sees the tokens of one group at a time (`routing.route_in_groups`). Top-k is per
@@ -119,7 +129,8 @@ def route(logits_TE, cfg, mesh=None, bias_E=None):
   if G == 1:
     return router(logits_TE)
   # Groups of a token-split array: let XLA choose the shardings of the reshape and the sort.
-  return auto(router, logits_TE, lambda spec: Routing(spec, spec, spec))(logits_TE)
+  # Routing(spec, spec, spec): a pytree of PartitionSpecs, the specs of a Routing's leaves.
+  return auto(router, logits_TE, lambda spec: Routing(spec, spec, spec))(logits_TE)  # pyright: ignore[reportArgumentType]
 
 
 @functools.lru_cache(maxsize=64)
@@ -133,8 +144,9 @@ def _token_parallel_router(cfg, mesh, groups_per_device, with_bias):
     return route_in_groups(router, logits_TE, cfg, groups_per_device, **kwargs)
 
   in_specs = (tok, P()) if with_bias else (tok,)
+  # out_specs: a Routing of PartitionSpecs, one per leaf.
   return jax.jit(
-    jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=Routing(tok, tok, tok))
+    jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=Routing(tok, tok, tok))  # pyright: ignore[reportArgumentType]
   )
 
 
@@ -155,7 +167,44 @@ def shared_experts(shared, x_TD):
   return shared(x_TD, matmul)
 
 
-def moe_layer(params, x_BSD, cfg, mesh=None):
+def input_weighted_items(
+  x_TD: Float[Array, "T D"], experts_TK: Int[Array, "T K"], weights_TK: Float[Array, "T K"]
+) -> tuple[Float[Array, "I D"], Int[Array, "I 1"], Float[Array, "I 1"]]:
+  """The items of `weights_on="input"`: each (token, slot) is its own row `w * x`, weight 1.
+
+      x_ID[t*K + j] = weights_TK[t, j] * x_TD[t]      (in float32, then x's dtype)
+      experts_I1[t*K + j, 0] = experts_TK[t, j]
+
+  So any dispatch computes `expert(w * x)` per item; `sum_items` adds each token's K
+  outputs. Item order is token-major: a token's items stay on the device of the token.
+  For K = 1 this is just the tokens scaled by their weight. A dropped item (id -1) stays
+  dropped and contributes zero.
+
+  Args:
+    x_TD: f[T, D] tokens.
+    experts_TK: i32[T, K] expert ids.
+    weights_TK: f32[T, K] combine weights.
+
+  Returns:
+    (x_ID: f[T*K, D] in the dtype of x_TD, experts_I1: i32[T*K, 1], ones_I1: f32[T*K, 1]).
+  """
+  T, K = experts_TK.shape
+  x_TKD = weights_TK[:, :, None].astype(jnp.float32) * x_TD[:, None, :].astype(jnp.float32)
+  x_ID = x_TKD.reshape(T * K, x_TD.shape[1]).astype(x_TD.dtype)
+  return x_ID, experts_TK.reshape(T * K, 1), jnp.ones((T * K, 1), jnp.float32)
+
+
+def sum_items(y_ID: Float[Array, "I D"], tokens: int) -> Float[Array, "T D"]:
+  """Sums the K consecutive item outputs of each token: f[T*K, D] -> f32[T, D]."""
+  return jnp.sum(y_ID.reshape(tokens, -1, y_ID.shape[-1]).astype(jnp.float32), axis=1)
+
+
+def moe_layer(
+  params: MoEParams,
+  x_BSD: Float[Array, "B S D"],
+  cfg: MoEConfig,
+  mesh: Mesh | AbstractMesh | None = None,
+) -> tuple[Float[Array, "B S D"], dict[str, Array]]:
   """Applies one MoE layer: route, (drop over capacity), dispatch, combine, add shared.
 
       logits_TE = x_TD @ router_DE                      (float32)
@@ -172,8 +221,9 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
     mesh: a `jax.sharding.Mesh` (or, under `jax.jit` or `jax.eval_shape`, an
       `AbstractMesh`) with `cfg.expert_axis`, whose size must divide E. None (default): the
       mesh in scope (`jax.set_mesh(mesh)`) when it has the expert axis, else no mesh.
-      Required by the expert-parallel implementations; "auto" picks "all_to_all" when the
-      expert axis has more than one device. The local implementations ("masked_scan",
+      Required by the expert-parallel implementations; when the expert axis has more than
+      one device "auto" picks "ragged_all_to_all" on TPU and GPU devices and "all_to_all"
+      elsewhere (`choose_impl`). The local implementations ("masked_scan",
       "ragged_dot") do not split experts: XLA shards them as it likes.
 
   Returns:
@@ -233,6 +283,8 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
     logits_TE = jnp.einsum(
       "td,de->te", x_TD.astype(jnp.float32), params.router_DE.astype(jnp.float32)
     )
+    if params.router_logit_bias is not None:  # trained: the router and the z-loss see it
+      logits_TE = logits_TE + params.router_logit_bias.astype(jnp.float32)
     logits_TE = checkpoint_name(logits_TE, MOE_ROUTER_LOGITS)
     bias_E = params.router_bias
     if bias_E is not None:  # selection only: it is moved by update_router_bias, not grad
@@ -256,13 +308,24 @@ def moe_layer(params, x_BSD, cfg, mesh=None):
     )
   with jax.named_scope("dispatch"):
     ffn = jax.tree.map(lambda a: a.astype(compute_dtype), params.experts)
-    y_TD, stats = dispatch.fn(
-      x_TD.astype(compute_dtype), ffn, experts_TK, routing.weights_TK, mesh=mesh, cfg=cfg
-    )
+    if cfg.weights_on == "output":
+      y_TD, stats = dispatch.fn(
+        x_TD.astype(compute_dtype), ffn, experts_TK, routing.weights_TK, mesh=mesh, cfg=cfg
+      )
+    else:
+      items = auto(input_weighted_items, x_TD, lambda spec: (spec, spec, spec))
+      x_ID, experts_I1, ones_I1 = items(x_TD.astype(compute_dtype), experts_TK, routing.weights_TK)
+      y_ID, stats = dispatch.fn(x_ID, ffn, experts_I1, ones_I1, mesh=mesh, cfg=cfg)
+      y_TD = auto(functools.partial(sum_items, tokens=T), y_ID, lambda spec: spec)(y_ID)
     y_TD = checkpoint_name(like(y_TD.astype(jnp.float32), x_TD), MOE_DISPATCH_OUT)
   if params.shared is not None:
     with jax.named_scope("shared_experts"):
-      y_TD = y_TD + shared_experts(params.shared, x_TD.astype(compute_dtype))
+      shared_TD = shared_experts(params.shared, x_TD.astype(compute_dtype))
+      if params.shared_gate_D is not None:  # one gate per token on the shared experts' sum
+        gate_D = params.shared_gate_D.astype(jnp.float32)
+        gate_T = jax.nn.sigmoid(jnp.einsum("td,d->t", x_TD.astype(jnp.float32), gate_D))
+        shared_TD = shared_TD * gate_T[:, None]
+      y_TD = y_TD + shared_TD
   y_BSD = unflatten_tokens(y_TD.astype(x_BSD.dtype), x_BSD, mesh)
   aux = dict(
     aux_loss=cfg.load_balance_coef * lb_loss + cfg.z_loss_coef * z_loss,

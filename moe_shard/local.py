@@ -9,14 +9,12 @@ An expert id outside [0, E) contributes zero to its token (never another expert'
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
-from moe_shard.experts import as_ffn, dense_matmul
-from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.experts import ExpertFFN, GroupedMatmul, as_ffn, dense_matmul
 
 
 def check_moe_inputs(fn, x_TD, w, experts, weights):
@@ -68,7 +66,12 @@ def check_moe_inputs(fn, x_TD, w, experts, weights):
 
 
 @jax.named_scope("moe_masked_scan")
-def moe_masked_scan(x_TD, w, experts, weights=None):
+def moe_masked_scan(
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+) -> Float[Array, "T F"]:
   """Applies each expert to every token and keeps the routed outputs: the ground truth.
 
   A `lax.scan` over the E experts; step e runs expert e on all T tokens and adds
@@ -194,10 +197,10 @@ def rows_to_tokens(y_SF, index, weights_TK):
   T, K = weights_TK.shape
   y_KTF = move_rows(y_SF, kt_S, row_KT).reshape(K, T, -1)
   # A sum of K weighted [T, F] slices, products in float32, each slice read in its own
-  # dtype. Compiled for TPU v6e (E=64 layer fwd+bwd) XLA counts 0.43 GB fewer HBM bytes than
-  # for a dot over K (`einsum("tk,ktf->tf")`), for which it converts the bf16 [K, T, F] rows
-  # to float32 and keeps that copy for the backward; a broadcast product and a sum over K
-  # counted 1.2 GB more than the dot (v5e, E=8).
+  # dtype: for a dot over K (`einsum("tk,ktf->tf")`) XLA:TPU converts the bf16 [K, T, F]
+  # rows to float32 and keeps that copy for the backward, and a broadcast product and a sum
+  # over K accesses more HBM bytes still (XLA's counts compiled for TPU, the HBM column of
+  # `python -m bench --tpu v6e:2x4 --levels layer -E 64`).
   out = weights_TK[:, 0, None] * y_KTF[0].astype(jnp.float32)
   for k in range(1, K):
     out = out + weights_TK[:, k, None] * y_KTF[k].astype(jnp.float32)
@@ -222,7 +225,14 @@ move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
 @jax.named_scope("moe_ragged_dot")
-def moe_ragged_dot(x_TD, w, experts, weights=None, *, gmm_impl="auto"):
+def moe_ragged_dot(
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+  *,
+  gmm_impl: str = "auto",
+) -> Float[Array, "T F"]:
   """Sorts the (token, slot) items by expert, runs one grouped matmul, unsorts, combines.
 
   Args:
@@ -257,9 +267,8 @@ def ragged_combine(x_TD, ffn, num_experts, experts_TK, weights_TK, gmm_impl="aut
   with jax.named_scope("experts"):
     # Products accumulate in float32; results are stored in the compute dtype (bf16 matmul
     # outputs and their residuals take half the HBM bytes of float32 ones).
-    matmul = functools.partial(
-      grouped_matmul, group_sizes_G=group_sizes_E, impl=gmm_impl, preferred_element_type=x_TD.dtype
-    )
+    # Invalid items sort last, past sum(group_sizes): padding rows, given no bias.
+    matmul = GroupedMatmul(group_sizes_E, gmm_impl, x_TD.dtype)
     y_IF = ffn(x_ID, matmul)  # rows past sum(group_sizes) are zeros
   with jax.named_scope("unpermute"):
     weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)

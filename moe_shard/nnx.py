@@ -5,31 +5,48 @@
     y_BSD, aux = moe(x_BSD)                        # moe_layer(moe.moe_params(), x_BSD, cfg, mesh)
 
 A thin module over `init_moe_params` and `moe_layer`: the parameters are the leaves of
-`MoEParams`, each an `nnx.Param` carrying its `PartitionSpec` as Flax's `out_sharding`
-metadata (`moe_param_specs`, one entry per dimension), so `nnx.get_partition_spec`,
-`nnx.vmap`/`nnx.scan` with `transform_metadata={nnx.PARTITION_NAME: ...}` and checkpointing
-with shardings see what the arrays are. State paths mirror `MoEParams`: `router_DE`,
-`experts.gate_EDF`, `experts.up_EDF`, `experts.down_EFD` (or `experts.w_EDF`), and
-`shared.*` with shared experts. `cfg` and `mesh` are static attributes.
+`MoEParams`, each an `nnx.Param` (the balancing bias `router_bias` a `RouterBias`, not
+trained) carrying its `PartitionSpec` as Flax's `out_sharding` metadata (`moe_param_specs`,
+one entry per dimension), so `nnx.get_partition_spec`, `nnx.vmap`/`nnx.scan` with
+`transform_metadata={nnx.PARTITION_NAME: ...}` and checkpointing with shardings see what
+the arrays are. State paths mirror `MoEParams`: `router_DE`, `experts.gate_EDF`,
+`experts.up_EDF`, `experts.down_EFD` (or `experts.w_EDF`), `shared.*` with shared experts,
+and `router_bias`, `router_logit_bias`, `shared_gate_D` when the config has them. `cfg` and
+`mesh` are static attributes.
 
 Importing `moe_shard` does not import Flax; this module does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 from flax import nnx
+from jax.sharding import AbstractMesh, Mesh
+from jaxtyping import Array, Float
 
-from moe_shard.config import check_config
+from moe_shard.config import MoEConfig, check_config
 from moe_shard.layer import moe_layer
 from moe_shard.params import MoEParams, init_moe_params, moe_param_specs
 from moe_shard.sharding import resolve_mesh
 
 
-def _param(value, spec):
+class RouterBias(nnx.Variable):
+  """The selection bias of aux-loss-free balancing (`MoEParams.router_bias`): state, not an
+  `nnx.Param`. It gets no gradient and `balance.update_router_bias` moves it, so an
+  `nnx.Optimizer(..., wrt=nnx.Param)` leaves it alone (no weight decay on it)."""
+
+
+# The kind of `nnx.Variable` of each `MoEParams` field; every other field is an `nnx.Param`.
+_VARIABLE_KINDS = dict(router_bias=RouterBias)
+
+
+def _variable(kind, value, spec):
   # The value is already placed (init_moe_params): no eager re-sharding, which would also
   # demand a mesh in scope when there is none.
-  return nnx.Param(value, out_sharding=spec, eager_sharding=False)
+  return kind(value, out_sharding=spec, eager_sharding=False)
 
 
 def _is_variable(x):
@@ -52,29 +69,37 @@ class MoE(nnx.Module):
     experts: `SwiGLU` (or `Linear`) of `nnx.Param`s, expert axis first, split over
       `cfg.expert_axis`.
     shared: `SwiGLU` of `nnx.Param`s for the shared experts (replicated), or None.
+    router_bias: `RouterBias` f32[E] with `cfg.bias_balancing` (not an `nnx.Param`), or None.
+    router_logit_bias: `nnx.Param` f32[E] with `cfg.router_logit_bias`, or None.
+    shared_gate_D: `nnx.Param` f32[D] with `cfg.shared_expert_gate`, or None.
     cfg, mesh: static.
 
   Calling it with `x_BSD: f[B, S, D]` returns `(y_BSD, aux)` as `moe_layer`.
   """
 
-  def __init__(self, cfg, *, rngs, mesh=None):
+  def __init__(
+    self, cfg: MoEConfig, *, rngs: nnx.Rngs, mesh: Mesh | AbstractMesh | None = None
+  ) -> None:
     fn = "moe_shard.nnx.MoE"
     check_config(fn, cfg)
     self.cfg = cfg
     self.mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
     params = init_moe_params(rngs.params(), cfg, mesh=self.mesh)
     specs = moe_param_specs(cfg)
-    self.router_DE = _param(params.router_DE, specs.router_DE)
-    self.experts = nnx.data(jax.tree.map(_param, params.experts, specs.experts))
-    self.shared = nnx.data(
-      None if params.shared is None else jax.tree.map(_param, params.shared, specs.shared)
-    )
+    for field in dataclasses.fields(MoEParams):  # one attribute per field, None when off
+      make = functools.partial(_variable, _VARIABLE_KINDS.get(field.name, nnx.Param))
+      value = getattr(params, field.name)
+      if value is not None:
+        value = jax.tree.map(make, value, getattr(specs, field.name))
+      setattr(self, field.name, nnx.data(value))
 
-  def moe_params(self):
+  def moe_params(self) -> MoEParams:
     """The parameters as a `MoEParams` of arrays (what `moe_layer` takes)."""
-    tree = MoEParams(self.router_DE, self.experts, self.shared)
-    return jax.tree.map(lambda v: v[...], tree, is_leaf=_is_variable)
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEParams)}
+    return MoEParams(**jax.tree.map(lambda v: v[...], fields, is_leaf=_is_variable))
 
-  def __call__(self, x_BSD):
+  def __call__(
+    self, x_BSD: Float[Array, "B S D"]
+  ) -> tuple[Float[Array, "B S D"], dict[str, Array]]:
     """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`)."""
     return moe_layer(self.moe_params(), x_BSD, self.cfg, mesh=self.mesh)

@@ -1,8 +1,9 @@
 """Parameters of one MoE layer: the `MoEParams` pytree, its shapes and specs, and init.
 
 Expert weights have the expert axis first and are split over `cfg.expert_axis`; the router,
-the shared experts and the router bias are replicated (`moe_param_specs`). With a mesh,
-`init_moe_params` creates every array already placed.
+the shared experts and the optional vectors (the router biases, the shared gate) are
+replicated (`moe_param_specs`). With a mesh, `init_moe_params` creates every array already
+placed.
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from moe_shard import _checks
-from moe_shard.config import check_config
-from moe_shard.experts import Linear, SwiGLU
+from moe_shard.config import MoEConfig, check_config
+from moe_shard.experts import ExpertFFN, SwiGLU
 from moe_shard.sharding import is_concrete, resolve_mesh, tracing
 
 
@@ -29,23 +32,31 @@ class MoEParams:
 
   Attributes:
     router_DE: f32[D, E] router weights.
-    experts: the routed experts, `SwiGLU(gate_EDF, up_EDF, down_EFD)` or `Linear(w_EDF)`,
-      expert axis first.
+    experts: the routed experts, an instance of `cfg.expert_class` (e.g.
+      `SwiGLU(gate_EDF, up_EDF, down_EFD)`, `Linear(w_EDF)`; with `expert_bias`, their
+      bias leaves too), expert axis first.
     shared: the shared experts, `SwiGLU` with the shared-expert axis first
       ([num_shared, D, F_shared] and [num_shared, F_shared, D]), or None when there are none.
     router_bias: f32[E] selection bias of aux-loss-free balancing (`MoEConfig(
       bias_balancing=True)`; zeros at init), or None (default). Not a trained weight: it
       gets no gradient and `balance.update_router_bias` moves it; keep it out of the
-      optimizer (README, "Routers").
+      optimizer (docs/guides/routers.md).
+    router_logit_bias: f32[E] trained bias added to the router logits (`MoEConfig(
+      router_logit_bias=True)`; zeros at init), or None (default).
+    shared_gate_D: f32[D] trained gate of the shared experts, whose output is scaled per
+      token by `sigmoid(x @ shared_gate_D)` (`MoEConfig(shared_expert_gate=True)`), or None
+      (default).
   """
 
-  router_DE: jax.Array
-  experts: SwiGLU | Linear
+  router_DE: Float[Array, "D E"]
+  experts: ExpertFFN
   shared: SwiGLU | None
-  router_bias: jax.Array | None = None
+  router_bias: Float[Array, " E"] | None = None
+  router_logit_bias: Float[Array, " E"] | None = None
+  shared_gate_D: Float[Array, " D"] | None = None
 
 
-def moe_param_shapes(cfg):
+def moe_param_shapes(cfg: MoEConfig) -> MoEParams:
   """Returns the `MoEParams` of `jax.ShapeDtypeStruct`s that `init_moe_params(cfg)` builds.
 
   Args:
@@ -55,32 +66,40 @@ def moe_param_shapes(cfg):
     `MoEParams` whose leaves are `ShapeDtypeStruct`s (no sharding).
   """
   check_config("moe_param_shapes", cfg)
-  D, F, E = cfg.d_model, cfg.d_ff, cfg.num_experts
+  D, E = cfg.d_model, cfg.num_experts
   dt = cfg.param_dtype
 
-  def s(*shape):
+  # The leaf makers return Any: a ShapeDtypeStruct stands where MoEParams holds an array.
+  def s(*shape) -> Any:
     return jax.ShapeDtypeStruct(shape, dt)
 
-  if cfg.expert_type == "swiglu":
-    experts = SwiGLU(gate_EDF=s(E, D, F), up_EDF=s(E, D, F), down_EFD=s(E, F, D))
-  else:
-    experts = Linear(w_EDF=s(E, D, F))
+  experts = cfg.expert_class.param_shapes(cfg)
   shared = None
   if cfg.num_shared_experts:
     H, Fs = cfg.num_shared_experts, cfg.shared_hidden
     shared = SwiGLU(gate_EDF=s(H, D, Fs), up_EDF=s(H, D, Fs), down_EFD=s(H, Fs, D))
-  bias = jax.ShapeDtypeStruct((E,), jnp.float32) if cfg.bias_balancing else None
-  return MoEParams(jax.ShapeDtypeStruct((D, E), jnp.float32), experts, shared, bias)
+
+  def f32(on, *shape) -> Any:
+    return jax.ShapeDtypeStruct(shape, jnp.float32) if on else None
+
+  return MoEParams(
+    router_DE=f32(True, D, E),
+    experts=experts,
+    shared=shared,
+    router_bias=f32(cfg.bias_balancing, E),
+    router_logit_bias=f32(cfg.router_logit_bias, E),
+    shared_gate_D=f32(cfg.shared_expert_gate, D),
+  )
 
 
-def moe_param_specs(cfg):
+def moe_param_specs(cfg: MoEConfig) -> MoEParams:
   """Returns the `PartitionSpec` of every parameter, as a `MoEParams`.
 
   Expert weights are split over `cfg.expert_axis` on their first (expert) axis; the router,
-  the shared experts and the router bias are replicated. Each spec has one entry per array
-  dimension (`P("expert", None, None)`, `P(None, None)`, `P(None)`), as Flax's partition
-  metadata needs. For a stack of layers (a leading layer axis), prepend None:
-  `jax.tree.map(lambda s: P(None, *s), specs)`.
+  the shared experts, the router biases and the shared gate are replicated. Each spec has
+  one entry per array dimension (`P("expert", None, None)`, `P(None, None)`, `P(None)`), as
+  Flax's partition metadata needs. For a stack of layers (a leading layer axis), prepend
+  None: `jax.tree.map(lambda s: P(None, *s), specs)`.
 
   Args:
     cfg: `MoEConfig`.
@@ -91,24 +110,29 @@ def moe_param_specs(cfg):
   check_config("moe_param_specs", cfg)
   shapes = moe_param_shapes(cfg)
 
-  def spec(s, first=None):
+  def spec(s, first=None) -> Any:  # a PartitionSpec where MoEParams holds an array
     return P(first, *[None] * (len(s.shape) - 1))
 
   return MoEParams(
     router_DE=spec(shapes.router_DE),
     experts=jax.tree.map(lambda s: spec(s, cfg.expert_axis), shapes.experts),
     shared=jax.tree.map(spec, shapes.shared),
-    router_bias=P(None) if cfg.bias_balancing else None,
+    router_bias=jax.tree.map(spec, shapes.router_bias),
+    router_logit_bias=jax.tree.map(spec, shapes.router_logit_bias),
+    shared_gate_D=jax.tree.map(spec, shapes.shared_gate_D),
   )
 
 
-def init_moe_params(key, cfg, mesh=None):
+def init_moe_params(
+  key: PRNGKeyArray, cfg: MoEConfig, mesh: Mesh | AbstractMesh | None = None
+) -> MoEParams:
   """Initialises one MoE layer: each matrix normal with variance 1 / fan-in.
 
   With a mesh, the whole initialisation runs under `jax.jit` with `out_shardings`
   (`moe_param_specs`): every device generates only its own shard, nothing is built on one
   device first. The values do not depend on the mesh (partitionable threefry), nor on
-  `bias_balancing` (the router bias starts at zero).
+  `bias_balancing` and `router_logit_bias` (both biases start at zero) or
+  `shared_expert_gate` (the gate has its own key).
 
   Args:
     key: a `jax.random` key.
@@ -120,7 +144,9 @@ def init_moe_params(key, cfg, mesh=None):
 
   Returns:
     `MoEParams`: router_DE f32[D, E]; experts and shared in `cfg.param_dtype`; router_bias
-    f32[E] zeros with `bias_balancing`, else None.
+    f32[E] zeros with `bias_balancing`, else None; router_logit_bias f32[E] zeros with
+    `router_logit_bias`, else None; shared_gate_D f32[D] normal with variance 1 / D with
+    `shared_expert_gate`, else None.
 
   Raises:
     TypeError: cfg is not a `MoEConfig`, or mesh not a mesh.
@@ -144,11 +170,16 @@ def init_moe_params(key, cfg, mesh=None):
     num_experts=cfg.num_experts,
     top_k=1,
     expert_type=cfg.expert_type,
+    expert_bias=cfg.expert_bias,
+    swiglu_alpha=cfg.swiglu_alpha,
+    swiglu_limit=cfg.swiglu_limit,
     num_shared_experts=cfg.num_shared_experts,
     shared_d_ff=cfg.shared_d_ff,
     param_dtype=cfg.param_dtype,
     expert_axis=cfg.expert_axis,
     bias_balancing=cfg.bias_balancing,
+    router_logit_bias=cfg.router_logit_bias,
+    shared_expert_gate=cfg.shared_expert_gate,
   )
   return _initializer(shape_cfg, mesh)(key)
 
@@ -157,21 +188,44 @@ def init_moe_params(key, cfg, mesh=None):
 def _initializer(cfg, mesh):
   """The jitted init of one (config, mesh), built once: threefry is slow to compile on CPU."""
   shapes = moe_param_shapes(cfg)
-  leaves, treedef = jax.tree.flatten(dataclasses.replace(shapes, router_bias=None))
+  # The matrices share one split of the key; the optional vectors are drawn apart (zeros,
+  # or the shared gate from its own key), so turning them on changes no other value.
+  vectors = dict(router_bias=None, router_logit_bias=None, shared_gate_D=None)
+  leaves, treedef = jax.tree.flatten(dataclasses.replace(shapes, **vectors))
+
+  # The routed experts' leaves of rank 2 are their biases ([E, out]): zeros, drawing no key,
+  # so that `expert_bias` changes no other value.
+  is_bias = jax.tree.leaves(
+    dataclasses.replace(
+      jax.tree.map(lambda s: False, shapes),
+      **vectors,
+      experts=jax.tree.map(lambda s: len(s.shape) == 2, shapes.experts),
+    )
+  )
+
+  def normal(k, s):  # every matrix maps its second-to-last axis (the fan-in) to its last
+    return (jax.random.normal(k, s.shape, jnp.float32) / math.sqrt(s.shape[-2])).astype(s.dtype)
 
   def init(key):
-    keys = jax.random.split(key, len(leaves))
-    # Every matrix maps its second-to-last axis (the fan-in) to its last.
+    keys = iter(jax.random.split(key, len(leaves) - sum(is_bias)))
     params = jax.tree.unflatten(
       treedef,
       [
-        (jax.random.normal(k, s.shape, jnp.float32) / math.sqrt(s.shape[-2])).astype(s.dtype)
-        for k, s in zip(keys, leaves)
+        jnp.zeros(s.shape, s.dtype) if bias else normal(next(keys), s)
+        for s, bias in zip(leaves, is_bias)
       ],
     )
-    if shapes.router_bias is None:
-      return params
-    return dataclasses.replace(params, router_bias=jnp.zeros(shapes.router_bias.shape, jnp.float32))
+    zeros = lambda s: None if s is None else jnp.zeros(s.shape, jnp.float32)
+    gate_D = None
+    if shapes.shared_gate_D is not None:  # a Linear(D, 1): variance 1 / D
+      (D,) = shapes.shared_gate_D.shape
+      gate_D = jax.random.normal(jax.random.fold_in(key, 1), (D,), jnp.float32) / math.sqrt(D)
+    return dataclasses.replace(
+      params,
+      router_bias=zeros(shapes.router_bias),
+      router_logit_bias=zeros(shapes.router_logit_bias),
+      shared_gate_D=gate_D,
+    )
 
   if mesh is None:
     return jax.jit(init)
@@ -180,16 +234,18 @@ def _initializer(cfg, mesh):
   )
 
 
+# The boolean MoEConfig fields that each add a leaf to MoEParams.
+_OPTIONAL_LEAF_FIELDS = ("expert_bias", "bias_balancing", "router_logit_bias", "shared_expert_gate")
+
+
 def _check_params(fn, params, cfg):
   """Raises unless `params` has the leaves, shapes and kinds `init_moe_params(cfg)` builds."""
   if not isinstance(params, MoEParams):
     raise TypeError(
       f"{fn}: params must be a MoEParams from init_moe_params (got {type(params).__name__})"
     )
-  want = {
-    jax.tree_util.keystr(p): s
-    for p, s in jax.tree_util.tree_leaves_with_path(moe_param_shapes(cfg))
-  }
+  shapes = moe_param_shapes(cfg)
+  want = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shapes)}
   got = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(params)}
   if want.keys() != got.keys():
     missing = [f"params{k}" for k in want if k not in got]
@@ -198,12 +254,24 @@ def _check_params(fn, params, cfg):
       f"{fn}: params must have the leaves of this MoEConfig "
       f"(expert_type={cfg.expert_type!r}, num_shared_experts="
       f"{cfg.num_shared_experts}"
-      f"{', bias_balancing=True' if cfg.bias_balancing else ''}): "
+      f"{''.join(f', {k}=True' for k in _OPTIONAL_LEAF_FIELDS if getattr(cfg, k))}): "
       f"missing {missing}, unexpected {extra}"
+    )
+  if type(params.experts) is not type(shapes.experts):
+    raise ValueError(
+      f"{fn}: params.experts must be a {type(shapes.experts).__name__} for this MoEConfig "
+      f"(expert_type={cfg.expert_type!r}) (got {type(params.experts).__name__})"
     )
   for k, s in want.items():
     a = _checks.float_array(fn, f"params{k}", got[k])
     if tuple(a.shape) != s.shape:
       raise ValueError(
         f"{fn}: params{k} must have shape {s.shape} for this MoEConfig (got {tuple(a.shape)})"
+      )
+  # Static fields of the FFN (e.g. ClampedSwiGLU's alpha, limit) come from the config.
+  for f in dataclasses.fields(shapes.experts) if dataclasses.is_dataclass(shapes.experts) else ():
+    want_v, got_v = getattr(shapes.experts, f.name), getattr(params.experts, f.name)
+    if f.metadata.get("static") and want_v != got_v:
+      raise ValueError(
+        f"{fn}: params.experts.{f.name} must be {want_v!r} for this MoEConfig (got {got_v!r})"
       )

@@ -173,13 +173,13 @@ def round_counts(count_N, chunks, rounds):
 # buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
 
 
-def default_capacity(tokens, k, capacity=None):
+def default_capacity(tokens, k, recv_capacity=None):
   """Rows of the ragged dispatch's receive buffers per device: round 0's, then the others'.
 
   Args:
     tokens: T tokens per device (static).
     k: K slots per token.
-    capacity: None (default): round 0 takes the expected load T*K (every device receives
+    recv_capacity: None (default): round 0 takes the expected load T*K (every device receives
       T*K items on average) plus 4 standard deviations, `padded_load(T*K)` (2048 -> 2232),
       and from 4096 rows up a multiple of `gmm_tpu.MAX_ROW_TILE` (512: 8192 -> 8704,
       1.0625x), the row tile of TPU's grouped matmul, which would otherwise copy the buffer
@@ -191,10 +191,10 @@ def default_capacity(tokens, k, capacity=None):
     `Chunks(first, overflow)`: the rows of round 0 and of each later round.
 
   Raises:
-    TypeError, ValueError: a `capacity` that is not None or an int >= 1.
+    TypeError, ValueError: a `recv_capacity` that is not None or an int >= 1.
   """
-  if capacity is not None:
-    c = _checks.int_field("moe_ragged_all_to_all", "capacity", capacity, 1)
+  if recv_capacity is not None:
+    c = _checks.int_field("moe_ragged_all_to_all", "recv_capacity", recv_capacity, 1)
     return Chunks(c, c)
   first = padded_load(tokens * k)
   if first >= 4096:

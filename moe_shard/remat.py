@@ -9,10 +9,14 @@ jaxpr and changes what a policy saves.
     MOE_ROUTER_LOGITS   f32[T, E]  router logits (moe_layer)
     MOE_DISPATCH_RECV   f[M, D]    tokens as the expert devices receive them: the all_gather
                                    dispatch's gathered tokens, the all_to_all's received rows
-    MOE_EXPERT_GATE     f32[M, F]  x @ gate of the SwiGLU experts (grouped over experts)
-    MOE_EXPERT_UP       f32[M, F]  x @ up of the SwiGLU experts
-    MOE_EXPERT_OUT      f32[M, F]  each expert's output (SwiGLU's h @ down; Linear's x @ w)
+    MOE_EXPERT_GATE     f[M, F]    x @ gate + its bias, of the gated experts (grouped)
+    MOE_EXPERT_UP       f[M, F]    x @ up + its bias, of the gated experts and GeluMLP
+    MOE_EXPERT_OUT      f[M, F]    each expert's output (h @ down + b; Linear's x @ w + b)
     MOE_DISPATCH_OUT    f32[T, F]  the dispatch's combined output, before the shared experts
+
+f is the compute dtype (`MoEConfig.compute_dtype`): the sorting dispatches' grouped matmuls
+accumulate in float32 and store their products in it. The masked-scan reference
+(`dense_matmul`) keeps its expert products in float32.
 
 Inside the all_to_all dispatch, the names within a round (received rows, expert outputs)
 are visible in the jaxpr but no policy can save them: the rounds run in a `while_loop`

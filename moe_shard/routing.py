@@ -29,13 +29,18 @@ import dataclasses
 import fractions
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
 
 from moe_shard import _checks
 from moe_shard.balance import load_balancing_loss, sequence_balance_loss
 from moe_shard.local import inverse_permutation, sort_by_expert
+
+if TYPE_CHECKING:  # config.py imports this module
+  from moe_shard.config import MoEConfig
 
 # Score functions of `top_k_routing`: float32 logits -> float32 scores, per token.
 SCORE_FUNCS = {
@@ -57,21 +62,22 @@ class Routing:
       probabilities, or sigmoid scores (which need not sum to 1).
   """
 
-  weights_TK: jax.Array
-  experts_TK: jax.Array
-  probs_TE: jax.Array
+  weights_TK: Float[Array, "T K"]
+  experts_TK: Int[Array, "T K"]
+  probs_TE: Float[Array, "T E"]
 
 
 def top_k_routing(
-  logits_TE,
-  k,
+  logits_TE: Float[Array, "T E"],
+  k: int,
   *,
-  normalize=True,
-  score_func="softmax",
-  num_groups=1,
-  top_k_groups=None,
-  bias_E=None,
-  scaling=1.0,
+  normalize: bool = True,
+  score_func: str = "softmax",
+  num_groups: int = 1,
+  top_k_groups: int | None = None,
+  bias_E: Float[Array, " E"] | None = None,
+  scaling: float = 1.0,
+  normalize_p: float = 1.0,
 ) -> Routing:
   """Picks the k highest-scoring experts for each token.
 
@@ -81,7 +87,7 @@ def top_k_routing(
         a token ranks its groups by the sum of the top-2 select scores in each (the top-1
         when a group has one expert) and keeps its `top_k_groups` best (DeepSeek-V3);
       experts_TK = the k largest select scores in the kept groups, highest first;
-      weights_TK = scores_TE[experts_TK]  (unbiased), / their sum if normalize, * scaling.
+      weights_TK = scores_TE[experts_TK]  (unbiased), / their p-norm if normalize, * scaling.
 
   The defaults are softmax top-k with normalized weights. DeepSeek-V3 is
   `score_func="sigmoid", num_groups=8, top_k_groups=4, bias_E=..., scaling=2.5` with k = 8
@@ -91,13 +97,16 @@ def top_k_routing(
   Args:
     logits_TE: f[T, E] router logits (any float dtype; the math runs in float32).
     k: experts per token, a Python int with 1 <= k <= top_k_groups * E / num_groups.
-    normalize: rescale the k weights of each token to sum to 1 (default True). When False
-      the weights are the scores themselves (times scaling).
+    normalize: divide the k weights of each token by their `normalize_p`-norm
+      `(sum_j |w_j|^p)^(1/p)` (default True; with p = 1 they sum to 1). When False the
+      weights are the scores themselves (times scaling).
     score_func: "softmax" (default) or "sigmoid".
     num_groups: G expert groups (default 1: no group limit); must divide E.
     top_k_groups: groups each token keeps, 1 <= top_k_groups <= G (default None: all G).
     bias_E: None (default) or f[E] selection bias, added to the scores for selection only.
     scaling: factor on the combine weights, a real > 0 (default 1.0).
+    normalize_p: p of the norm `normalize` divides by, a real >= 1 (default 1.0: the sum;
+      DBRX's `moe_normalize_expert_weights`). Ignored when `normalize` is False.
 
   Returns:
     Routing(weights_TK: f32[T, K], experts_TK: i32[T, K], probs_TE: f32[T, E] the scores).
@@ -107,11 +116,12 @@ def top_k_routing(
       `top_k_groups` is not an int.
     ValueError: `logits_TE` is not 2-D, `bias_E` not of shape [E], an unknown `score_func`,
       G does not divide E, `top_k_groups` outside [1, G], `k` outside
-      [1, top_k_groups * E / G], `scaling` not finite and > 0.
+      [1, top_k_groups * E / G], `scaling` not finite and > 0, `normalize_p` not finite
+      and >= 1.
   """
   fn = "top_k_routing"
   logits_TE = _checks.float_array(fn, "logits_TE", logits_TE, ndim=2)
-  T, E = logits_TE.shape
+  E = logits_TE.shape[1]
   _checks.int_in_range(fn, "k", k, 1, E)
   _checks.choice_field(fn, "score_func", score_func, tuple(SCORE_FUNCS))
   G = _checks.int_in_range(fn, "num_groups", num_groups, 1, E)
@@ -126,6 +136,7 @@ def top_k_routing(
     if bias_E.shape != (E,):
       raise ValueError(f"{fn}: bias_E must have shape ({E},) (got {tuple(bias_E.shape)})")
   scaling = _checks.real_field(fn, "scaling", scaling, positive=True)
+  normalize_p = check_normalize_p(fn, normalize_p)
 
   scores_TE = SCORE_FUNCS[score_func](logits_TE.astype(jnp.float32))
   select_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(jnp.float32)
@@ -136,13 +147,26 @@ def top_k_routing(
     weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=1)
   if normalize:
     # tiny: a token whose k sigmoid scores all underflow gets zero weights, not NaN. A
-    # softmax's k largest sum to >= k / E, so there this divides by the sum itself.
-    weights_TK = weights_TK / jnp.maximum(
-      jnp.sum(weights_TK, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny
-    )
+    # softmax's k largest sum to >= k / E, so there this divides by the norm itself. The
+    # scores are >= 0, so for p = 1 the norm is their sum.
+    tiny = jnp.finfo(jnp.float32).tiny
+    if normalize_p == 1.0:
+      norm_T1 = jnp.maximum(jnp.sum(weights_TK, axis=-1, keepdims=True), tiny)
+    else:
+      power_T1 = jnp.sum(jnp.abs(weights_TK) ** normalize_p, axis=-1, keepdims=True)
+      norm_T1 = jnp.maximum(power_T1, tiny) ** (1.0 / normalize_p)
+    weights_TK = weights_TK / norm_T1
   if scaling != 1.0:
     weights_TK = weights_TK * scaling
   return Routing(weights_TK, experts_TK.astype(jnp.int32), scores_TE)
+
+
+def check_normalize_p(fn: str, p: float) -> float:
+  """Returns `p` as a float, raising unless it is a finite real >= 1 (a norm's p)."""
+  p = _checks.real_field(fn, "normalize_p", p, positive=True)
+  if p < 1.0:
+    raise ValueError(f"{fn}: normalize_p must be >= 1, the p of a norm (got {p!r})")
+  return p
 
 
 def _limit_to_groups(select_TE, num_groups, kept):
@@ -156,7 +180,7 @@ def _limit_to_groups(select_TE, num_groups, kept):
   return jnp.where(keep_TG[:, :, None], select_TGM, -jnp.inf).reshape(T, E)
 
 
-def expert_choice_routing(logits_TE, capacity) -> Routing:
+def expert_choice_routing(logits_TE: Float[Array, "T E"], capacity: int) -> Routing:
   """Lets each expert pick the `capacity` tokens that score it highest (expert choice).
 
       probs_TE = softmax(logits_TE) over experts             (float32)
@@ -191,7 +215,7 @@ def expert_choice_routing(logits_TE, capacity) -> Routing:
   return Routing(weights_TE, experts_TE, probs_TE)
 
 
-def capacity(capacity_factor, tokens, k, num_experts):
+def capacity(capacity_factor: float, tokens: int, k: int, num_experts: int) -> int:
   """Returns `ceil(capacity_factor * tokens * k / num_experts)`, the items an expert takes.
 
   Computed exactly on the decimal value of `capacity_factor` (so 1.1 * 10 is 11, not 12).
@@ -208,7 +232,8 @@ def capacity(capacity_factor, tokens, k, num_experts):
 
 def top_k_router(logits_TE, cfg, *, bias_E=None):
   """The "top_k" router: `top_k_routing` with the config's fields (top_k, normalize_top_k,
-  score_func, num_groups, top_k_groups, routed_scaling) and the layer's selection bias."""
+  normalize_p, score_func, num_groups, top_k_groups, routed_scaling) and the layer's
+  selection bias."""
   return top_k_routing(
     logits_TE,
     cfg.top_k,
@@ -218,6 +243,7 @@ def top_k_router(logits_TE, cfg, *, bias_E=None):
     top_k_groups=cfg.top_k_groups,
     bias_E=bias_E,
     scaling=cfg.routed_scaling,
+    normalize_p=cfg.normalize_p,
   )
 
 
@@ -264,15 +290,15 @@ class Router:
       and the layer does not drop over capacity (default False).
   """
 
-  fn: Callable
-  balance_loss: Callable = batch_balance_loss
+  fn: Callable[..., Routing]
+  balance_loss: Callable[..., Float[Array, ""]] = batch_balance_loss
   applies_capacity: bool = False
 
-  def __call__(self, logits_TE, cfg, **kwargs):
+  def __call__(self, logits_TE: Float[Array, "T E"], cfg: MoEConfig, **kwargs: Any) -> Routing:
     return self.fn(logits_TE, cfg, **kwargs)
 
 
-ROUTERS = {
+ROUTERS: dict[str, Router] = {
   "top_k": Router(top_k_router, balance_loss=top_k_balance_loss),
   "expert_choice": Router(
     expert_choice_router, balance_loss=no_balance_loss, applies_capacity=True
@@ -306,7 +332,9 @@ def route_in_groups(router, logits_TE, cfg, groups, **kwargs):
   return jax.tree.map(lambda a: a.reshape(T, *a.shape[2:]), routing)
 
 
-def drop_over_capacity(experts_TK, num_experts, capacity):
+def drop_over_capacity(
+  experts_TK: Int[Array, "T K"], num_experts: int, capacity: int
+) -> tuple[Int[Array, "T K"], Bool[Array, "T K"]]:
   """Drops the items past each expert's capacity, earlier tokens first.
 
   Each expert's queue holds its (token, slot) items in token order, then slot order within

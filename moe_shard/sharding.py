@@ -1,4 +1,6 @@
-"""Placing arrays on a mesh, mesh checks, the mesh in scope, and the Explicit/Auto helpers.
+"""Placing arrays on a mesh, mesh checks, the mesh in scope, and the Explicit/Auto helpers;
+the carry and the loop of a data-dependent loop inside shard_map (`zeros_varying`,
+`fori_while`).
 
 Mesh axes: experts are split over `EXPERT` (or over a tuple of axes, e.g. `(DATA, EXPERT)`:
 their product, in the order given); tokens over every mesh axis (`EXPERT` and, when present,
@@ -15,8 +17,13 @@ The mesh argument of every public function may be a `jax.sharding.Mesh`, an `Abs
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, Literal, overload
 
 import jax
+import jax._src.core
+import jax._src.mesh
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
@@ -39,7 +46,7 @@ def axis_size(mesh, expert_axis):
   return math.prod(mesh.shape.get(a, 1) for a in expert_axes(expert_axis))
 
 
-def mesh_in_scope():
+def mesh_in_scope() -> Mesh | AbstractMesh | None:
   """The mesh of `jax.set_mesh` (or `jax.sharding.use_abstract_mesh`), or None.
 
   The concrete `Mesh` when there is one (`jax.set_mesh`, inside or outside jit), else the
@@ -84,6 +91,24 @@ def check_mesh(fn, mesh, expert_axis, num_experts=None, *, optional=False, what=
     )
 
 
+@overload
+def resolve_mesh(
+  fn: str,
+  mesh: Mesh | AbstractMesh | None,
+  expert_axis: str | tuple[str, ...],
+  num_experts: int | None = None,
+  *,
+  required: Literal[True],
+) -> Mesh | AbstractMesh: ...
+@overload
+def resolve_mesh(
+  fn: str,
+  mesh: Mesh | AbstractMesh | None,
+  expert_axis: str | tuple[str, ...],
+  num_experts: int | None = None,
+  *,
+  required: bool,
+) -> Mesh | AbstractMesh | None: ...
 def resolve_mesh(fn, mesh, expert_axis, num_experts=None, *, required):
   """The mesh a call runs on: `mesh`, or for None the mesh in scope; checked.
 
@@ -189,14 +214,14 @@ def explicit_mesh(ref):
   return mesh, tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
 
 
-def auto(fn, ref, out_specs):
+def auto(fn: Callable[..., Any], ref: Any, out_specs: Callable[[P], Any]) -> Callable[..., Any]:
   """`fn` with the Explicit axes of `ref`'s mesh switched to Auto (XLA picks shardings).
 
   `out_specs(ref_spec)` gives the `PartitionSpec` pytree of fn's outputs. Without Explicit
   axes, `fn` itself.
   """
   mesh, axes = explicit_mesh(ref)
-  if not axes:
+  if mesh is None or not axes:
     return fn
 
   def wrapped(*args):
@@ -210,7 +235,7 @@ def auto(fn, ref, out_specs):
 def like(y, ref):
   """Reshards `y` to the sharding of `ref` when both live on an Explicit mesh."""
   mesh, axes = explicit_mesh(ref)
-  if not axes:
+  if mesh is None or not axes:
     return y
   want = jax.typeof(ref).sharding
   if jax.typeof(y).sharding.spec == want.spec:
@@ -250,6 +275,28 @@ def zeros_varying(shape, dtype, *refs):
   for r in refs[1:]:
     z = z + jnp.zeros_like(r, shape=(), dtype=dtype)
   return z
+
+
+def fori_while(lower, upper, body, init):
+  """`lax.fori_loop(lower, upper, body, init)` for a traced `upper`, as a plain `while_loop`.
+
+  Args:
+    lower: the first index, a Python int.
+    upper: i32[] one past the last index (data-dependent: a count of rounds or tiles).
+    body: body(i, carry) -> carry, i an i32[] index.
+    init: the carry before the first step.
+
+  Returns:
+    The carry after body(i, carry) for i = lower .. upper - 1 (`init` when upper <= lower).
+  """
+
+  def cond(c):
+    return c[0] < upper
+
+  def step(c):
+    return c[0] + 1, body(c[0], c[1])
+
+  return jax.lax.while_loop(cond, step, (jnp.full((), lower, jnp.int32), init))[1]
 
 
 def _token_sharding(mesh, tokens):

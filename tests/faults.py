@@ -49,8 +49,8 @@ FAULTS = {
     (
       (
         "moe_shard/layer.py",
-        "routing.weights_TK, mesh=mesh, cfg=cfg)",
-        "jax.lax.stop_gradient(routing.weights_TK), mesh=mesh, cfg=cfg)",
+        "ffn, experts_TK, routing.weights_TK, mesh=mesh, cfg=cfg",
+        "ffn, experts_TK, jax.lax.stop_gradient(routing.weights_TK), mesh=mesh, cfg=cfg",
       ),
     ),
     ("tests/test_layer_oracle.py",),
@@ -87,8 +87,8 @@ FAULTS = {
     (
       (
         "moe_shard/parallel/all_to_all.py",
-        "return carry[0] < rounds",
-        "return carry[0] < rounds - 1",
+        "return fori_while(1, rounds, body, acc)",
+        "return fori_while(1, rounds - 1, body, acc)",
       ),
     ),
     ("tests/test_layer_oracle.py", "-k", "all_to_all"),
@@ -114,8 +114,8 @@ FAULTS = {
     (
       (
         "moe_shard/layer.py",
-        "params.router_DE.astype(jnp.float32))",
-        "params.router_DE.astype(compute_dtype).astype(jnp.float32))",
+        "params.router_DE.astype(jnp.float32)\n",
+        "params.router_DE.astype(compute_dtype).astype(jnp.float32)\n",
       ),
     ),
     ("tests/test_layer_oracle.py", "-k", "bf16"),

@@ -34,8 +34,13 @@ def top_k(
   top_k_groups=None,
   bias_E=None,
   scaling=1.0,
+  normalize_p=1.0,
 ):
-  """Returns (weights f64[T, k], experts int64[T, k], scores f64[T, E])."""
+  """Returns (weights f64[T, k], experts int64[T, k], scores f64[T, E]).
+
+  With `normalize`, each token's k weights are divided by their p-norm, p = `normalize_p`
+  (DBRX: `weights / torch.norm(weights, p=p, dim=-1, keepdim=True)`).
+  """
   s_TE = scores(logits_TE, score_func)
   T, E = s_TE.shape
   sel_TE = s_TE + (0.0 if bias_E is None else f64(bias_E)[None, :])
@@ -50,7 +55,8 @@ def top_k(
     experts[t] = sorted(candidates, key=lambda e: (-sel_TE[t, e], e))[:k]
   weights = np.take_along_axis(s_TE, experts, axis=1)
   if normalize:
-    weights = weights / weights.sum(axis=1, keepdims=True)
+    norm = np.sum(np.abs(weights) ** normalize_p, axis=1, keepdims=True) ** (1 / normalize_p)
+    weights = weights / norm
   return weights * scaling, experts, s_TE
 
 
@@ -75,7 +81,7 @@ def in_groups(router, logits_TE, groups, *args, **kwargs):
 
 def switch_loss(experts_TK, probs_TE):
   """E * sum_e f_e P_e over all tokens (ids outside [0, E) not counted)."""
-  T, E = probs_TE.shape
+  E = probs_TE.shape[1]
   ids = np.asarray(experts_TK).ravel()
   f = np.array([np.sum(ids == e) for e in range(E)]) / ids.size
   return E * np.sum(f * f64(probs_TE).mean(axis=0))

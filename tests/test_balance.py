@@ -153,7 +153,7 @@ CFG = ms.MoEConfig(
 
 def optimizer(params):
   """Adam on every leaf but the router bias (it gets no gradient; update_router_bias moves
-  it): the README's optax.multi_transform."""
+  it): docs/guides/routers.md's optax.multi_transform."""
   labels = dataclasses.replace(jax.tree.map(lambda _: "train", params), router_bias="frozen")
   return optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
 

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -59,7 +60,7 @@ def test_host_rounds_and_trip_counts_match_the_library(routing, mesh_name, reque
   case = progs.make_case("kernel", 8, routing, SMALL, mesh)
   x, w, e, g, _ = case.args
   _, stats = ms.moe_all_to_all(x, w, e, g, mesh=mesh, return_stats=True)
-  acc = impls.IMPLS["all_to_all"].accounting(case)
+  acc = impls.BENCH_IMPLS["all_to_all"].accounting(case)
   assert (acc.rounds, acc.dropped) == (int(stats["rounds"]), 0)
   compiled = progs.programs(case, "all_to_all")["fwd"].lower(*case.args).compile()
   trips = acc.trips
@@ -124,7 +125,7 @@ def test_reported_rounds_match_an_independent_host_model(
     case.experts_TK, 8, (mesh.shape["expert"], mesh.shape["data"]), SMALL.K, chunk_size
   )
   assert routing == "uniform" or want > 1  # skew: overflow rounds, so the count is tested
-  acc = impls.IMPLS["all_to_all"].accounting(case)
+  acc = impls.BENCH_IMPLS["all_to_all"].accounting(case)
   assert (acc.rounds, acc.dropped) == (want, 0)
 
 
@@ -137,7 +138,7 @@ def test_ragged_host_accounting_matches_the_library(routing, mesh_name, request)
   case = progs.make_case("kernel", 8, routing, SMALL, mesh)
   x, w, e, g, _ = case.args
   _, stats = ms.moe_ragged_all_to_all(x, w, e, g, mesh=mesh, return_stats=True)
-  acc = impls.IMPLS["ragged_all_to_all"].accounting(case)
+  acc = impls.BENCH_IMPLS["ragged_all_to_all"].accounting(case)
   assert (acc.rounds, acc.dropped) == (int(stats["rounds"]), 0)
   compiled = progs.programs(case, "ragged_all_to_all")["fwd"].lower(*case.args).compile()
   assert "ragged-all-to-all" not in measure.collective_bytes(compiled, acc.trips[0])
@@ -161,7 +162,7 @@ def test_layer_level_reports_the_rounds_the_host_counts(mesh42):
   load = np.bincount(case.experts_TK.ravel(), minlength=8)
   assert load[0] == SMALL.T  # the router's bias row makes expert 0 every token's choice
   y, _, rounds, dropped = progs.programs(case, "all_to_all")["fwd"](*case.args)
-  acc = impls.IMPLS["all_to_all"].accounting(case)
+  acc = impls.BENCH_IMPLS["all_to_all"].accounting(case)
   assert (int(rounds), int(dropped)) == (acc.rounds, acc.dropped)
   params, x, _ = (jax.device_get(a) for a in case.args)
   ref = reference.layer(params, np.asarray(x), case.cfg, case.experts_TK)
@@ -202,7 +203,7 @@ def test_gshard_drops_slot_major_past_capacity(mesh_name, routing, request):
   y, dropped = jax.jit(lambda *a: baselines.gshard_moe(*a, mesh=mesh, capacity_factor=1.0))(
     x, ms.Linear(w_EDF=w), e, g
   )
-  acc = impls.IMPLS["jit_gshard_einsum"].accounting(case)
+  acc = impls.BENCH_IMPLS["jit_gshard_einsum"].accounting(case)
   assert (acc.rounds, acc.dropped) == (1, int(dropped))
   assert routing == "uniform" or int(dropped) > 0
   C = -(-(SMALL.T // mesh.size) * SMALL.K // 8)  # ceil(1.0 * S * K / E)
@@ -273,7 +274,7 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
   assert code == 0
   out = capsys.readouterr().out
   assert "all_to_all" in out and "fastest jit-only" in out
-  data = json.load(open(stem + ".json"))
+  data = json.loads(pathlib.Path(stem + ".json").read_text())
   rows = data["rows"]
   assert data["machine"]["jax"] == jax.__version__
   assert data["machine"]["malloc"].startswith(("glibc mallopt", "system default"))
@@ -288,10 +289,10 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
   # The reported rounds are those of the routing the CLI draws (seed 0, 8x1 mesh).
   experts_TK, _ = common.synthetic_routing("zipf", 256, 8, 2, num_devices=8, seed=0)
   assert {r["rounds"] for r in a2a} == {independent_rounds(experts_TK, 8, (8, 1), 2)}
-  header = open(stem + ".csv").readline().strip().split(",")
+  header = pathlib.Path(stem + ".csv").read_text().splitlines()[0].strip().split(",")
   assert header[:5] == ["level", "impl", "E", "routing", "mode"]
-  assert "all_to_all against the best jit-only" in open(stem + ".md").read()
-  assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+  assert "all_to_all against the best jit-only" in pathlib.Path(stem + ".md").read_text()
+  assert pathlib.Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(
@@ -313,6 +314,46 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
   err = capsys.readouterr().err.strip()
   assert err.startswith("python -m bench: error: ") and message in err
   assert "\n" not in err
+
+
+def _usage_error_before_any_run(monkeypatch, capsys, argv):
+  """The one line `cli.main(argv)` prints on stderr, failing if the run would start (the
+  devices asked for, then JAX): these checks come before any JAX work."""
+
+  def started(*args, **kwargs):
+    raise AssertionError("the run started: the check must come before it")
+
+  monkeypatch.setattr(cli, "ask_for_devices", started)
+  monkeypatch.setattr(cli, "run", started)
+  assert cli.main([*SMALL_ARGS, *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("python -m bench: error: ") and "\n" not in err
+  return err.removeprefix("python -m bench: error: ")
+
+
+@pytest.mark.parametrize("zipf_s", ["-1", "0", "nan", "inf"])
+def test_zipf_exponent_must_be_positive(zipf_s, monkeypatch, capsys):
+  err = _usage_error_before_any_run(
+    monkeypatch, capsys, ["--routing", "uniform,zipf", "--zipf-s", zipf_s]
+  )
+  assert err == f"--zipf-s must be a finite number > 0 (got {float(zipf_s)})"
+
+
+@pytest.mark.parametrize("flag", ["--out", "--json", "--csv", "--plot"])
+def test_output_under_a_file_fails_before_the_run(flag, tmp_path, monkeypatch, capsys):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  target = str(blocker / "sub" / "results")
+  err = _usage_error_before_any_run(monkeypatch, capsys, [flag, target])
+  assert err == (
+    f"{flag} must be in a folder that exists or can be made and written "
+    f"(got {target!r}: {blocker} is not a writable folder)"
+  )
+
+
+def test_output_that_is_a_folder_fails_before_the_run(tmp_path, monkeypatch, capsys):
+  err = _usage_error_before_any_run(monkeypatch, capsys, ["--json", str(tmp_path)])
+  assert err == f"--json would write {tmp_path}, which is a folder (got {str(tmp_path)!r})"
 
 
 def test_tpu_compile_for_v5e(capsys):
@@ -356,7 +397,7 @@ def test_tpu_estimates_use_cited_peaks():
     "kernel", 16, "uniform", dataclasses.replace(SMALL, dtype="bfloat16"), mesh, abstract=True
   )
   compiled = progs.programs(case, "all_to_all")["fwd"].lower(*case.args).compile()
-  trips = impls.IMPLS["all_to_all"].accounting(case, on_tpu=True).trips
+  trips = impls.BENCH_IMPLS["all_to_all"].accounting(case, on_tpu=True).trips
   assert set(trips[0]) == {"a2a_overflow_rounds"}
   # grouped_matmul's "auto" picked megablox's TPU kernels, not the tiled kernel's loops.
   scopes = {lp.scope() for lp in measure.parse_hlo(compiled.as_text()).loops}
@@ -451,7 +492,7 @@ def test_a_dispatch_defined_outside_the_package_runs_in_the_layer_and_the_benchm
   np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
   assert int(aux["rounds"]) == 1 and int(aux["dropped_items"]) == 0
 
-  monkeypatch.setitem(impls.IMPLS, "dense_one_hot", impls.Impl(dense_one_hot))
+  monkeypatch.setitem(impls.BENCH_IMPLS, "dense_one_hot", impls.Impl(dense_one_hot))
   stem = str(tmp_path / "r")
   assert (
     cli.main(
@@ -469,7 +510,7 @@ def test_a_dispatch_defined_outside_the_package_runs_in_the_layer_and_the_benchm
     )
     == 0
   )
-  rows = {r["impl"]: r for r in json.load(open(stem + ".json"))["rows"]}
+  rows = {r["impl"]: r for r in json.loads(pathlib.Path(stem + ".json").read_text())["rows"]}
   assert set(rows) == {"dense_one_hot", "all_to_all"}
   assert rows["dense_one_hot"]["max_abs_err"] < 1e-3
   # Every expert on every token: E/K = 4 times the expert FLOPs (the router's are extra).
@@ -486,7 +527,7 @@ def test_deepseek_like_layer_matches_the_reference_and_the_host_routing(mesh8):
   groups_TK = case.experts_TK // 4  # expert e is in group e // (E / G)
   assert all(len(set(g)) <= 2 for g in groups_TK)  # at most 2 groups per token
   y, _, rounds, dropped = progs.programs(case, "all_to_all")["fwd"](*case.args)
-  acc = impls.IMPLS["all_to_all"].accounting(case)
+  acc = impls.BENCH_IMPLS["all_to_all"].accounting(case)
   assert (int(rounds), int(dropped)) == (acc.rounds, acc.dropped)
   params, x, _ = (jax.device_get(a) for a in case.args)
   want = reference.layer(params, np.asarray(x), case.cfg, case.experts_TK)

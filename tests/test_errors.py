@@ -109,15 +109,15 @@ CASES = [
     "swiglu_down_shape",
     dict(w=ms.SwiGLU(_f32(E, D, F), _f32(E, D, F), _f32(E, F + 1, D))),
     ValueError,
-    f"SwiGLU needs gate_EDF and up_EDF of one shape [E, D, F] and "
-    f"down_EFD of shape [E, F, D] (got gate {(E, D, F)}, up {(E, D, F)}, "
-    f"down {(E, F + 1, D)})",
+    f"SwiGLU needs leaves gate_EDF [E, D, F], up_EDF [E, D, F], down_EFD [E, F, D], one "
+    f"size per letter (got gate_EDF {(E, D, F)}, up_EDF {(E, D, F)}, "
+    f"down_EFD {(E, F + 1, D)})",
   ),
   (
     "swiglu_up_shape",
     dict(w=ms.SwiGLU(_f32(E, D, F), _f32(E, D, F + 1), _f32(E, F, D))),
     ValueError,
-    "SwiGLU needs gate_EDF and up_EDF of one shape",
+    "SwiGLU needs leaves gate_EDF [E, D, F], up_EDF [E, D, F], down_EFD [E, F, D], one size",
   ),
   (
     "experts_float",

@@ -3,7 +3,7 @@
 gradients.
 
 CI has no GPU, so every test here is skipped there, with the reason printed. On a machine
-with one (the README's GPU section):
+with one (docs/guides/tpu_gpu.md):
 
     JAX_PLATFORMS=cuda python -m pytest -q -rs tests/test_gpu.py
 
@@ -25,6 +25,7 @@ from cases import ROUTINGS, assert_close, assert_tree_close, cotangent, feasible
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
+from moe_shard.grouped_matmul import GMM_CHOICES
 from moe_shard.parallel import ragged_all_to_all_emulated
 
 pytestmark = pytest.mark.skipif(
@@ -99,7 +100,7 @@ def _gmm_reference(x, w, sizes, dy):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("impl", ms.grouped_matmul.__globals__["IMPLS"])
+@pytest.mark.parametrize("impl", GMM_CHOICES)
 def test_grouped_matmul_backends(impl, dtype):
   """Empty groups, one big group and rows past the groups' total, forward and backward."""
   rng = np.random.default_rng(1)

@@ -345,7 +345,7 @@ def test_error_unknown_impl():
 
 
 def test_error_mismatched_d():
-  x, w, gs = _args()
+  x, _, gs = _args()
   with pytest.raises(ValueError, match=r"w_GDF's D \(5\) must equal x_MD's D \(4\)"):
     ms.grouped_matmul(x, jnp.zeros((2, 5, 3)), gs)
 

@@ -93,7 +93,8 @@ BAD_CONFIGS = [
   (
     dict(expert_type="relu"),
     ValueError,
-    "MoEConfig: expert_type must be one of ('swiglu', 'linear') (got 'relu')",
+    "MoEConfig: expert_type must be one of ('linear', 'swiglu', 'gelu', 'geglu', "
+    "'clamped_swiglu') or an expert FFN class (got 'relu')",
   ),
   (
     dict(impl="fast"),
@@ -110,8 +111,8 @@ BAD_CONFIGS = [
   (
     dict(expert_type="linear"),
     ValueError,
-    "MoEConfig: d_ff must equal d_model (8) when expert_type is 'linear', whose experts map "
-    "D to F (got 12)",
+    "MoEConfig: the experts of expert_type 'linear' must map d_model (8) to d_model "
+    "(got d_in 8, d_out 12; 'linear' maps d_model to d_ff)",
   ),
   (
     dict(capacity_factor=0.0),

@@ -188,7 +188,7 @@ def test_nonfinite_token_leaves_others_unchanged(impl, bad):
       marks=pytest.mark.xfail(
         strict=True,
         reason="lax.ragged_dot on CPU is a masked dense product over all groups: "
-        "0 * inf = nan reaches every token (a known limitation, documented in the README)",
+        "0 * inf = nan reaches every token (a known limitation, documented in docs/guides/semantics.md)",
       ),
     ),
   ],

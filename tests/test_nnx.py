@@ -154,7 +154,7 @@ def test_no_compile_after_the_first_step(run):
 
 def test_orbax_round_trip_keeps_values_and_shardings(run, tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
-  mesh, in_scope, model, *_ = run
+  mesh, _, model, *_ = run
   _, state = nnx.split(model)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "state", state)

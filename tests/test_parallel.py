@@ -324,6 +324,20 @@ def test_chunk_sizes(chunk_size, mesh_name, routing):
     assert want["rounds"] == (10 if chunk_size == 1 else 8)
 
 
+@pytest.mark.parametrize("lower, upper", [(0, 5), (1, 5), (1, 1), (1, 0), (0, 0)])
+def test_fori_while_runs_body_for_lower_to_upper(lower, upper):
+  """The loop of the overflow rounds and of the tiled kernel: body(i, carry) for i = lower ..
+  upper - 1 with a traced upper, `init` when the range is empty."""
+  from moe_shard.sharding import fori_while
+
+  def run(upper):
+    return fori_while(lower, upper, lambda i, c: (c[0] * 10 + i, c[1] + 1), (0, 0))
+
+  got = jax.jit(run)(jnp.int32(upper))
+  want = (int("".join(map(str, range(lower, upper))) or 0), max(0, upper - lower))
+  assert (int(got[0]), int(got[1])) == want
+
+
 @pytest.mark.parametrize("mesh_name", ["2x4-explicit", "1x8-auto"])
 @pytest.mark.parametrize("name", IMPLS)
 def test_all_ids_invalid_give_exact_zeros(name, mesh_name):

@@ -335,7 +335,7 @@ def test_default_capacity(tokens, k, capacity, want):
   "capacity, err", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)]
 )
 def test_default_capacity_rejects(capacity, err):
-  with pytest.raises(err, match=re.escape("moe_ragged_all_to_all: capacity must be ")):
+  with pytest.raises(err, match=re.escape("moe_ragged_all_to_all: recv_capacity must be ")):
     default_capacity(40, 2, capacity)
 
 

@@ -15,6 +15,7 @@ reused, so each (mesh, shape, capacity) compiles once for every routing.
 import functools
 import math
 import re
+import types
 
 import hypothesis
 import hypothesis.strategies as st
@@ -181,7 +182,7 @@ def ragged(mesh_, capacity=None, stats=True, expert_axis=ms.EXPERT):
     ms.moe_ragged_all_to_all,
     mesh=mesh_,
     expert_axis=expert_axis,
-    capacity=capacity,
+    recv_capacity=capacity,
     return_stats=stats,
   )
 
@@ -197,7 +198,7 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   (C / 4 up to a multiple of 8) of the fullest receiver's items past C; an explicit capacity: C each.
   """
   ids_TK = np.asarray(experts_TK).astype(np.int64).reshape(len(experts_TK), -1)
-  T, K = ids_TK.shape
+  T = ids_TK.shape[0]
   devices, N = mesh_.size, mesh_.shape[expert_axis]
   L = E // N
   ids_SI = np.pad(ids_TK, ((0, -T % devices), (0, 0)), constant_values=-1).reshape(devices, -1)
@@ -404,6 +405,28 @@ def test_auto_is_ragged_on_tpu_and_chunked_on_cpu():
   assert ms.choose_impl(cfg, tpu_mesh) == "ragged_all_to_all"
 
 
+@pytest.mark.parametrize(
+  "platform, version, want",
+  [
+    ("gpu", "PJRT C API\ncuda 12080", "ragged_all_to_all"),
+    ("gpu", "PJRT C API\nrocm 60300", "ragged_all_to_all"),
+    ("gpu", "PJRT C API\noneapi", "all_to_all"),  # neither CUDA nor ROCm: emulated
+    ("tpu", "PJRT C API\nTFRT TPU v5 lite", "ragged_all_to_all"),
+    ("cpu", "PJRT C API\ncpu", "all_to_all"),
+  ],
+)
+def test_auto_names_gpus_as_platform_dependent_does(platform, version, want):
+  """A GPU device says platform "gpu" for CUDA and ROCm alike; "auto" takes the ragged
+  dispatch where `lax.platform_dependent` (which names them "cuda", "rocm") runs the native
+  exchange."""
+  device = types.SimpleNamespace(
+    platform=platform, client=types.SimpleNamespace(platform_version=version)
+  )
+  stand_in = types.SimpleNamespace(shape={ms.EXPERT: 4}, devices=np.array([device] * 4))
+  cfg = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2)
+  assert ms.choose_impl(cfg, stand_in) == want
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -432,8 +455,8 @@ def test_errors():
   with pytest.raises(ValueError, match=re.escape("moe_ragged_all_to_all: ") + ".*'model'"):
     trace(fn, *_args(), mesh=mesh("4x2-auto"), expert_axis="model")
   for bad, err in [(0, ValueError), (2.0, TypeError), (True, TypeError)]:
-    with pytest.raises(err, match=re.escape("moe_ragged_all_to_all: capacity must be ")):
-      trace(fn, *_args(), mesh=mesh("4x2-auto"), capacity=bad)
+    with pytest.raises(err, match=re.escape("moe_ragged_all_to_all: recv_capacity must be ")):
+      trace(fn, *_args(), mesh=mesh("4x2-auto"), recv_capacity=bad)
   with pytest.raises(
     TypeError, match=re.escape("MoEConfig: recv_capacity must be an int (got 1.5)")
   ):

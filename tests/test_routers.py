@@ -22,7 +22,14 @@ from moe_shard.routing import route_in_groups
 top_k_routing = jax.jit(
   ms.top_k_routing,
   static_argnums=1,
-  static_argnames=("normalize", "score_func", "num_groups", "top_k_groups", "scaling"),
+  static_argnames=(
+    "normalize",
+    "score_func",
+    "num_groups",
+    "top_k_groups",
+    "scaling",
+    "normalize_p",
+  ),
 )
 expert_choice_routing = jax.jit(ms.expert_choice_routing, static_argnums=1)
 
@@ -51,6 +58,14 @@ TOP_K_CASES = {
   "softmax": (normal(10, 8, 0), 2, {}),
   "softmax_k1": (normal(10, 8, 1), 1, {}),
   "softmax_unnormalized": (normal(10, 8, 2), 3, dict(normalize=False)),
+  # DBRX's moe_normalize_expert_weights: the weights over their p-norm.
+  "softmax_p2": (normal(10, 8, 2), 3, dict(normalize_p=2.0)),
+  "sigmoid_p3_grouped": (
+    normal(10, 8, 4, 2.0),
+    2,
+    dict(score_func="sigmoid", normalize_p=3.0, num_groups=4, top_k_groups=2, scaling=2.0),
+  ),
+  "softmax_p2_unnormalized": (normal(10, 8, 2), 3, dict(normalize=False, normalize_p=2.0)),
   "ties": (TIES, 3, {}),
   "ties_grouped": (TIES, 2, dict(num_groups=4, top_k_groups=2)),
   "single_group": (normal(10, 8, 3), 2, dict(num_groups=1, top_k_groups=1)),
@@ -102,11 +117,25 @@ def test_top_k_defaults_are_bit_identical_to_softmax_top_k():
 
   for normalize in (True, False):
     logits_TE = normal(64, 16, 11, 3.0)
-    got = top_k_routing(logits_TE, 4, normalize=normalize)
-    for a, b in zip(
-      (got.weights_TK, got.experts_TK, got.probs_TE), before(logits_TE, 4, normalize)
+    for got in (
+      top_k_routing(logits_TE, 4, normalize=normalize),
+      top_k_routing(logits_TE, 4, normalize=normalize, normalize_p=1.0),
     ):
-      np.testing.assert_array_equal(a, b)
+      for a, b in zip(
+        (got.weights_TK, got.experts_TK, got.probs_TE), before(logits_TE, 4, normalize)
+      ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_normalized_softmax_top_k_is_softmax_over_the_top_k_logits():
+  # gpt-oss routes by `softmax(top_k(logits))`: exp(l_i) / sum_top-k exp(l_j), which is the
+  # top-k softmax probabilities rescaled to sum to 1 (the partition function cancels).
+  logits_TE = np.asarray(normal(16, 8, 20, 3.0), np.float64)
+  top_TK = -np.sort(-logits_TE, axis=1)[:, :2]
+  want = np.exp(top_TK - top_TK.max(1, keepdims=True))
+  want /= want.sum(axis=1, keepdims=True)
+  got = top_k_routing(jnp.asarray(logits_TE, jnp.float32), 2)
+  np.testing.assert_allclose(got.weights_TK, want, rtol=2e-6, atol=1e-7)
 
 
 def test_ties_go_to_the_lowest_index():
@@ -272,6 +301,21 @@ TOP_K_ERRORS = [
   ),
   (dict(scaling=0.0), ValueError, "top_k_routing: scaling must be finite and > 0 (got 0.0)"),
   (dict(scaling="2"), TypeError, "top_k_routing: scaling must be a real number (got '2')"),
+  (
+    dict(normalize_p=0.5),
+    ValueError,
+    "top_k_routing: normalize_p must be >= 1, the p of a norm (got 0.5)",
+  ),
+  (
+    dict(normalize_p=float("inf")),
+    ValueError,
+    "top_k_routing: normalize_p must be finite and > 0 (got inf)",
+  ),
+  (
+    dict(normalize_p="2"),
+    TypeError,
+    "top_k_routing: normalize_p must be a real number (got '2')",
+  ),
 ]
 
 
@@ -366,6 +410,11 @@ BAD_CONFIGS = [
     dict(router="expert_choice", num_groups=2),
     ValueError,
     "MoEConfig: num_groups must be 1 with router 'expert_choice'",
+  ),
+  (
+    dict(router="expert_choice", normalize_p=2.0),
+    ValueError,
+    "MoEConfig: normalize_p must be 1.0 with router 'expert_choice'",
   ),
 ]
 

@@ -6,8 +6,11 @@ import functools
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
+from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks, local
+from moe_shard.experts import ExpertFFN
 from moe_shard.parallel.common import _prepare, shard_map
 from moe_shard.remat import MOE_DISPATCH_RECV
 from moe_shard.sharding import EXPERT, resolve_mesh, trim, vary_over
@@ -16,8 +19,15 @@ from moe_shard.sharding import EXPERT, resolve_mesh, trim, vary_over
 
 
 def moe_all_gather(
-  x_TD, w, experts, weights=None, *, mesh=None, expert_axis=EXPERT, gmm_impl="auto"
-):
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  gmm_impl: str = "auto",
+) -> Float[Array, "T F"]:
   """Expert-parallel MoE: all_gather tokens, compute local experts, reduce-scatter.
 
   Each device gathers the tokens, expert ids and weights of the N devices on its expert

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks, local
 from moe_shard import plan as plan_lib
 from moe_shard.balance import expert_load
-from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.experts import ExpertFFN, GroupedMatmul
 from moe_shard.parallel.common import _prepare, run_on_mesh
 from moe_shard.remat import MOE_DISPATCH_RECV
-from moe_shard.sharding import EXPERT, axis_size, resolve_mesh, vary_over
+from moe_shard.sharding import EXPERT, axis_size, fori_while, resolve_mesh, vary_over
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
 
@@ -24,18 +27,44 @@ OVERFLOW_SCOPE = "a2a_overflow_rounds"
 # --------------------------------------------------------------------------- all_to_all
 
 
+@overload
 def moe_all_to_all(
-  x_TD,
-  w,
-  experts,
-  weights=None,
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
   *,
-  mesh=None,
-  expert_axis=EXPERT,
-  chunk_size=None,
-  return_stats=False,
-  gmm_impl="auto",
-):
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  chunk_size: int | tuple[int, int] | None = None,
+  return_stats: Literal[False] = False,
+  gmm_impl: str = "auto",
+) -> Float[Array, "T F"]: ...
+@overload
+def moe_all_to_all(
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  chunk_size: int | tuple[int, int] | None = None,
+  return_stats: Literal[True],
+  gmm_impl: str = "auto",
+) -> tuple[Float[Array, "T F"], dict[str, Any]]: ...
+def moe_all_to_all(
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  chunk_size: int | tuple[int, int] | None = None,
+  return_stats: bool = False,
+  gmm_impl: str = "auto",
+) -> Float[Array, "T F"] | tuple[Float[Array, "T F"], dict[str, Any]]:
   """Expert-parallel MoE: dropless chunked all_to_all dispatch, compute, and return.
 
   Each device sorts its T*K (token, slot) items by destination device. Round 0 sends the
@@ -150,7 +179,8 @@ def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_im
     expert_load=jax.lax.psum(expert_load(experts_TK, lay.num_experts), lay.all_axes),
     invalid_ids=jax.lax.psum(jnp.sum(~plan.valid_I).astype(jnp.int32), lay.all_axes),
   )
-  return y_TF.astype(x_TD.dtype), stats
+  # JAX types a custom_vjp made with functools.partial as returning object.
+  return y_TF.astype(x_TD.dtype), stats  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
@@ -167,7 +197,7 @@ def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
   Returns:
     f32[T, F] this round's contribution to the output.
   """
-  T, K = weights_TK.shape
+  K = weights_TK.shape[1]
   N, C = slots_NC.shape
   live_NC = slots_NC >= 0
   # Rows move by scatters both ways (`local.items_to_rows`); padding slots are zeros.
@@ -196,12 +226,7 @@ def _local_experts(cfg, x_MD, ids_M, ffn_L):
   x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
   order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, cfg.local_experts)
   rank_M = local.inverse_permutation(order_M)
-  matmul = functools.partial(
-    grouped_matmul,
-    group_sizes_G=group_sizes_L,
-    impl=cfg.gmm_impl,
-    preferred_element_type=x_MD.dtype,
-  )
+  matmul = GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_MD.dtype)
   # Sorted even for one local expert: padding rows go last, past the group, and
   # XLA:TPU's ragged-dot backward fails to compile when its one group is all M rows
   # (RET_CHECK in mask_aggregator.cc, libtpu 0.0.42.1).
@@ -212,17 +237,12 @@ def _local_experts(cfg, x_MD, ids_M, ffn_L):
 def _loop_overflow(cfg, plan, rounds, step, acc):
   """Folds `step(acc, slots_NC)` over the overflow rounds 1 .. rounds - 1 (C_overflow)."""
 
-  def cond(carry):
-    return carry[0] < rounds
-
-  def body(carry):
-    r, acc = carry
-    slots_NC = plan_lib.round_slots(plan, cfg.chunks.start(r), cfg.chunks.overflow)
-    return r + 1, step(acc, slots_NC)
+  def body(r, acc):
+    return step(acc, plan_lib.round_slots(plan, cfg.chunks.start(r), cfg.chunks.overflow))
 
   # Named so that the benchmark can scale the loop body by rounds - 1.
   with jax.named_scope(OVERFLOW_SCOPE):
-    return jax.lax.while_loop(cond, body, (jnp.ones((), jnp.int32), acc))[1]
+    return fori_while(1, rounds, body, acc)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks, local
 from moe_shard import plan as plan_lib
-from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.experts import ExpertFFN, GroupedMatmul
 from moe_shard.parallel.common import _prepare, run_on_mesh
-from moe_shard.sharding import EXPERT, resolve_mesh, vary_over, zeros_varying
+from moe_shard.sharding import EXPERT, fori_while, resolve_mesh, vary_over, zeros_varying
 
 # --------------------------------------------------------------------------- ragged_all_to_all
 
 RAGGED_SCOPE = "ragged_overflow_rounds"
-# Platforms whose XLA implements the ragged-all-to-all opcode; others (CPU) run an emulation.
+# Platforms whose XLA implements the ragged-all-to-all opcode; others (CPU) run an emulation,
+# and `impl="auto"` takes the ragged dispatch only here. In `lax.platform_dependent`'s names,
+# which has "cuda" and "rocm" and refuses "gpu".
 RAGGED_PLATFORMS = ("tpu", "cuda", "rocm")
 
 
@@ -113,18 +118,44 @@ def _exchange(
   )
 
 
+@overload
 def moe_ragged_all_to_all(
-  x_TD,
-  w,
-  experts,
-  weights=None,
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
   *,
-  mesh=None,
-  expert_axis=EXPERT,
-  capacity=None,
-  return_stats=False,
-  gmm_impl="auto",
-):
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  recv_capacity: int | None = None,
+  return_stats: Literal[False] = False,
+  gmm_impl: str = "auto",
+) -> Float[Array, "T F"]: ...
+@overload
+def moe_ragged_all_to_all(
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  recv_capacity: int | None = None,
+  return_stats: Literal[True],
+  gmm_impl: str = "auto",
+) -> tuple[Float[Array, "T F"], dict[str, Any]]: ...
+def moe_ragged_all_to_all(
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  recv_capacity: int | None = None,
+  return_stats: bool = False,
+  gmm_impl: str = "auto",
+) -> Float[Array, "T F"] | tuple[Float[Array, "T F"], dict[str, Any]]:
   """Expert-parallel MoE: dropless `ragged_all_to_all` dispatch, compute, and return.
 
   Each device sorts its T*K (token, slot) items by expert (so by destination device, then
@@ -156,12 +187,13 @@ def moe_ragged_all_to_all(
     mesh: a `jax.sharding.Mesh` with `expert_axis`; Auto or Explicit axis types. None
       (default): the mesh in scope (`jax.set_mesh`).
     expert_axis: name of the mesh axis experts are split over (default "expert").
-    capacity: rows of the receive buffer per device and round. None (default): round 0
-      takes C = the expected load T_dev*K plus 4 * sqrt of it (4 standard deviations of
-      uniform random routing), rounded up to a multiple of 8 (from 4096 rows, of 512:
-      1.0625x at T_dev*K = 8192), so uniform routing takes one round, and later rounds
-      C_overflow = C/4 rounded up to a multiple of 8 (`plan.default_capacity`); an int
-      C >= 1: C in every round.
+    recv_capacity: rows of the receive buffer per device and round (not the routing
+      capacity: no item is dropped, items past it go in a later round). None (default):
+      round 0 takes C = the expected load T_dev*K plus 4 * sqrt of it (4 standard
+      deviations of uniform random routing), rounded up to a multiple of 8 (from 4096
+      rows, of 512: 1.0625x at T_dev*K = 8192), so uniform routing takes one round, and
+      later rounds C_overflow = C/4 rounded up to a multiple of 8
+      (`plan.default_capacity`); an int C >= 1: C in every round.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
 
@@ -179,8 +211,8 @@ def moe_ragged_all_to_all(
   fn = "moe_ragged_all_to_all"
   expert_axis = _checks.expert_axis_field(fn, expert_axis)
   mesh = resolve_mesh(fn, mesh, expert_axis, required=True)
-  if capacity is not None:
-    capacity = _checks.int_field(fn, "capacity", capacity, 1)
+  if recv_capacity is not None:
+    recv_capacity = _checks.int_field(fn, "recv_capacity", recv_capacity, 1)
   out = _ragged_jit(
     x_TD,
     w,
@@ -188,7 +220,7 @@ def moe_ragged_all_to_all(
     weights,
     mesh=mesh,
     expert_axis=expert_axis,
-    capacity=capacity,
+    recv_capacity=recv_capacity,
     return_stats=bool(return_stats),
     gmm_impl=gmm_impl,
   )
@@ -196,19 +228,21 @@ def moe_ragged_all_to_all(
     return out
   y_TF, stats = out
   T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
-  rows = plan_lib.default_capacity(-(-T // mesh.size), K, capacity)
+  rows = plan_lib.default_capacity(-(-T // mesh.size), K, recv_capacity)
   return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.overflow)
 
 
 @functools.partial(
-  jax.jit, static_argnames=("mesh", "expert_axis", "capacity", "return_stats", "gmm_impl")
+  jax.jit, static_argnames=("mesh", "expert_axis", "recv_capacity", "return_stats", "gmm_impl")
 )
-def _ragged_jit(x_TD, w, experts, weights, *, mesh, expert_axis, capacity, return_stats, gmm_impl):
+def _ragged_jit(
+  x_TD, w, experts, weights, *, mesh, expert_axis, recv_capacity, return_stats, gmm_impl
+):
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
     "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis
   )
   K = experts_TK.shape[1]
-  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, capacity)
+  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, recv_capacity)
   body = functools.partial(_ragged_body, lay=lay, rows=rows, gmm_impl=gmm_impl)
   tok = lay.token_spec
   stats_specs = dict(
@@ -320,13 +354,10 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
       flat(recv_SL),
     )
   with jax.named_scope("local_experts"):
-    matmul = functools.partial(
-      grouped_matmul,
-      group_sizes_G=jnp.sum(recv_SL, axis=0),
-      impl=cfg.gmm_impl,
-      preferred_element_type=x_ID.dtype,
-    )
-    out_CF = ffn_L(recv_CD, matmul)  # rows past the received: zeros
+    # The window's rows arrive expert-major from row 0; rows past the received are
+    # padding (zeros in, zeros out: no bias).
+    matmul = GroupedMatmul(jnp.sum(recv_SL, axis=0), cfg.gmm_impl, x_ID.dtype)
+    out_CF = ffn_L(recv_CD, matmul)
   # Each device returns the outputs to the sorted positions their items came from.
   with jax.named_scope("return"):
     if y_IF is None:
@@ -336,13 +367,11 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
     )
 
 
-def _overflow_loop(cfg, rounds, step, acc):
+def _overflow_loop(rounds, step, acc):
   """Folds `step(r, acc)` over the overflow rounds r = 1 .. rounds - 1."""
   # Named so that the benchmark can scale the loop body by rounds - 1.
   with jax.named_scope(RAGGED_SCOPE):
-    return jax.lax.while_loop(
-      lambda c: c[0] < rounds, lambda c: (c[0] + 1, step(*c)), (jnp.ones((), jnp.int32), acc)
-    )[1]
+    return fori_while(1, rounds, step, acc)
 
 
 def _later_round(cfg, x_ID, ffn_L, q, r, y_IF=None):
@@ -364,7 +393,7 @@ def _ragged_rounds(cfg, x_ID, ffn_L, q, rounds):
 
 def _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF):
   """y_IF with the overflow rounds' outputs written at their items' sorted positions."""
-  return _overflow_loop(cfg, rounds, lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
+  return _overflow_loop(rounds, lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
 
 
 def _ragged_rounds_fwd(cfg, x_ID, ffn_L, q, rounds):
@@ -379,7 +408,7 @@ def _ragged_rounds_bwd(cfg, res, dy_IF):
     _, vjp = jax.vjp(lambda x, f: _later_round(cfg, x, f, q, r), x_ID, ffn_L)
     return jax.tree.map(jnp.add, acc, vjp(dy_IF))
 
-  dx, dffn = _overflow_loop(cfg, rounds, add, vjp0(dy_IF))
+  dx, dffn = _overflow_loop(rounds, add, vjp0(dy_IF))
   return dx, dffn, None, None
 
 
