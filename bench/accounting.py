@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_shard as ms
-from moe_shard.gmm_tiled import GROUP_SCOPE, TILE_SCOPE, default_tiles, tile_sizes
+from moe_shard.kernels.tiled import GROUP_SCOPE, TILE_SCOPE, default_tiles, tile_sizes
 from moe_shard.parallel import OVERFLOW_SCOPE, RAGGED_SCOPE
 from moe_shard.sharding import EXPERT
 

@@ -46,7 +46,7 @@ def _medians(fns_args, repeats):
 
 
 # The module, not the function `moe_shard.grouped_matmul` that the package re-exports.
-gmm_lib = importlib.import_module("moe_shard.grouped_matmul")
+gmm_lib = importlib.import_module("moe_shard.kernels.grouped_matmul")
 
 M, D, F = 8192, 512, 1024
 GROUPS = (8, 32, 128)

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bench import tpu
-from moe_shard import gmm_tpu
+from moe_shard.kernels import tpu as gmm_tpu
 
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 

@@ -6,7 +6,7 @@
 M=32768 rows, D=2048, F=4096, bfloat16, G groups with uniform and skewed sizes (one group
 holds half the rows, a quarter of the others are empty; `bench.gmm.group_sizes`). For each
 grouped-matmul backend that runs on a GPU ("mosaic_gpu": JAX's Hopper kernels,
-`moe_shard.gmm_gpu`; "ragged_dot": `lax.ragged_dot`; "tiled": the while-loop kernel;
+`moe_shard.kernels.gpu`; "ragged_dot": `lax.ragged_dot`; "tiled": the while-loop kernel;
 "auto": what the library picks there), it times the forward (y) and forward+backward (y, dx,
 dw), and one dense [M, D] @ [D, F] matmul (cuBLAS through XLA) with its backward:
 speed/dense is the dense time over the backend's, both medians of calls timed in turns.
@@ -29,9 +29,9 @@ import numpy as np
 
 from bench import common
 from bench.gmm import group_sizes
-from moe_shard import gmm_gpu
+from moe_shard.kernels import gpu as gmm_gpu
 
-gmm_lib = importlib.import_module("moe_shard.grouped_matmul")
+gmm_lib = importlib.import_module("moe_shard.kernels.grouped_matmul")
 
 M, D, F = 32768, 2048, 4096
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); the first is the default.

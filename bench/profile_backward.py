@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 import moe_shard as ms
 from bench import common, malloc
 from moe_shard import plan as plan_lib
-from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.kernels.grouped_matmul import grouped_matmul
 
 D, F, K = 512, 1024, 2
 

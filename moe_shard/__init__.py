@@ -41,7 +41,7 @@ from moe_shard.experts import (
   Linear,
   SwiGLU,
 )
-from moe_shard.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
+from moe_shard.kernels.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
 from moe_shard.layer import moe_layer, num_routing_groups
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.parallel import moe_all_gather, moe_all_to_all, moe_ragged_all_to_all

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from moe_shard import _checks
 from moe_shard.dispatch import DISPATCHES
 from moe_shard.experts import expert_class
-from moe_shard.grouped_matmul import GMM_CHOICES
+from moe_shard.kernels.grouped_matmul import GMM_CHOICES
 from moe_shard.routing import ROUTERS, SCORE_FUNCS, capacity, check_normalize_p
 from moe_shard.sharding import EXPERT
 

@@ -47,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
-from moe_shard.grouped_matmul import grouped_matmul
+from moe_shard.kernels.grouped_matmul import grouped_matmul
 from moe_shard.remat import MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks, local
-from moe_shard.gmm_tpu import MAX_ROW_TILE
+from moe_shard.kernels.tpu import MAX_ROW_TILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +181,7 @@ def default_capacity(tokens, k, recv_capacity=None):
     k: K slots per token.
     recv_capacity: None (default): round 0 takes the expected load T*K (every device receives
       T*K items on average) plus 4 standard deviations, `padded_load(T*K)` (2048 -> 2232),
-      and from 4096 rows up a multiple of `gmm_tpu.MAX_ROW_TILE` (512: 8192 -> 8704,
+      and from 4096 rows up a multiple of `kernels.tpu.MAX_ROW_TILE` (512: 8192 -> 8704,
       1.0625x), the row tile of TPU's grouped matmul, which would otherwise copy the buffer
       into a padded one on every call; the overflow rounds a quarter of that, rounded up to
       a multiple of 8 (so a round that never runs under uniform routing reserves little

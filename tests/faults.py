@@ -95,7 +95,7 @@ FAULTS = {
   ),
   "E": Fault(
     "the tile schedule skips a group's last (partial, masked) tile",
-    (("moe_shard/gmm_tiled.py", "n_G = (rem_G + t - 1) // t", "n_G = rem_G // t"),),
+    (("moe_shard/kernels/tiled.py", "n_G = (rem_G + t - 1) // t", "n_G = rem_G // t"),),
     ("tests/test_grouped_matmul.py", "-k", "random_group_sizes"),
   ),
   "F": Fault(

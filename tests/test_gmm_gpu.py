@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from moe_shard import gmm_gpu
+from moe_shard.kernels import gpu as gmm_gpu
 
 BF16 = TOL["bfloat16"]  # float16 (10-bit mantissa) is checked to bfloat16's tolerance
 

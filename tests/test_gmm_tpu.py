@@ -19,7 +19,7 @@ from cases import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_shard import gmm_tpu
+from moe_shard.kernels import tpu as gmm_tpu
 
 
 def _inputs(M, D, F, G, dtype, seed=0):

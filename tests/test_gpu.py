@@ -25,7 +25,7 @@ from cases import ROUTINGS, assert_close, assert_tree_close, cotangent, feasible
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from moe_shard.grouped_matmul import GMM_CHOICES
+from moe_shard.kernels.grouped_matmul import GMM_CHOICES
 from moe_shard.parallel import ragged_all_to_all_emulated
 
 pytestmark = pytest.mark.skipif(
@@ -121,7 +121,7 @@ def test_grouped_matmul_backends(impl, dtype):
     assert_close(g.astype(jnp.float32), want, dtype, err_msg=f"{impl} {dtype} {what}")
 
 
-# Mosaic GPU backend (`gmm_gpu`): empty groups, one group, rows past the groups' total, sizes
+# Mosaic GPU backend (`kernels.gpu`): empty groups, one group, rows past the groups' total, sizes
 # clipped by M, D and F that are not multiples of the blocks (padded), many groups.
 MOSAIC_CASES = {
   "empty_groups_rows_past": (96, 32, 48, [0, 40, 3, 0, 17, 1, 0, 20]),
@@ -135,7 +135,7 @@ MOSAIC_CASES = {
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", list(MOSAIC_CASES))
 def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype):
-  from moe_shard import gmm_gpu
+  from moe_shard.kernels import gpu as gmm_gpu
 
   M, D, F, sizes = MOSAIC_CASES[case]
   rng = np.random.default_rng(2)
@@ -245,7 +245,7 @@ def test_layer_in_bfloat16(impl):
 # whose kernel crashed Pallas' GPU interpreter on CPU (a division by zero while compiling);
 # here it runs on the GPU itself.
 def test_mosaic_gpu_gmm_single_tile():
-  from moe_shard import gmm_gpu
+  from moe_shard.kernels import gpu as gmm_gpu
 
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(64, 128)), jnp.bfloat16)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import moe_shard as ms
 
 # The module (the package re-exports the function under the same name).
-gmm = importlib.import_module("moe_shard.gmm_tiled")
+gmm = importlib.import_module("moe_shard.kernels.tiled")
 from bench import accounting  # noqa: E402
 
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import moe_shard as ms
 from bench import measure
 
-gmm = importlib.import_module("moe_shard.gmm_tiled")
+gmm = importlib.import_module("moe_shard.kernels.tiled")
 from bench import accounting  # noqa: E402
 
 N = 8  # simulated devices (tests/conftest.py)

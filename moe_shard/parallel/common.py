@@ -78,7 +78,7 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
 def shard_map(body, mesh, in_specs, out_specs):
   """`jax.shard_map` of a dispatch body, with JAX's varying-axes check off.
 
-  Why off: the TPU grouped matmul (megablox, `gmm_tpu.py`) builds its group metadata by
+  Why off: the TPU grouped matmul (megablox, `kernels/tpu.py`) builds its group metadata by
   concatenating a constant with the per-device group sizes. Traced inside the body that
   passes, but when JAX later transforms the traced body again (a `lax.scan` over layers
   under `jax.grad`: scan-over-layers training) the check rejects the concatenate ("varying

@@ -7,13 +7,13 @@
 max_tile, min_tile) -> [M, F]` (products accumulated in float32, the result written in
 `out_dtype`), differentiable in x and w, doing only the routed FLOPs where it can:
 
-  * "tiled" (`gmm_tiled.py`): power-of-two row tiles in group-major `while_loop`s, routed
+  * "tiled" (`kernels/tiled.py`): power-of-two row tiles in group-major `while_loop`s, routed
     FLOPs plus bounded padding, forward and backward, on any platform. The CPU backend.
-  * "megablox" (`gmm_tpu.py`): JAX's megablox Pallas kernels (gmm forward and dx, tgmm dw):
+  * "megablox" (`kernels/tpu.py`): JAX's megablox Pallas kernels (gmm forward and dx, tgmm dw):
     routed FLOPs forward and backward, the TPU backend. bfloat16 and float32 only; other
     dtypes, and a single group, take "ragged_dot". Named explicitly, it runs anywhere: off
     TPU in Pallas interpret mode (slow; for tests).
-  * "mosaic_gpu" (`gmm_gpu.py`): JAX's Mosaic GPU Pallas kernels for Hopper (ragged_dot
+  * "mosaic_gpu" (`kernels/gpu.py`): JAX's Mosaic GPU Pallas kernels for Hopper (ragged_dot
     forward and dx, transposed_ragged_dot dw): routed FLOPs forward and backward, the CUDA
     backend. bfloat16 and float16 only (y rounded to x's dtype before the cast to
     `out_dtype`); other dtypes, float32 included, take "ragged_dot". It does the routed
@@ -45,11 +45,11 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
-from moe_shard.gmm_gpu import DTYPES as MOSAIC_GPU_DTYPES
-from moe_shard.gmm_gpu import mosaic_gpu_gmm
-from moe_shard.gmm_tiled import default_tiles, gmm_tiled, tile_sizes
-from moe_shard.gmm_tpu import DTYPES as MEGABLOX_DTYPES
-from moe_shard.gmm_tpu import megablox_gmm
+from moe_shard.kernels.gpu import DTYPES as MOSAIC_GPU_DTYPES
+from moe_shard.kernels.gpu import mosaic_gpu_gmm
+from moe_shard.kernels.tiled import default_tiles, gmm_tiled, tile_sizes
+from moe_shard.kernels.tpu import DTYPES as MEGABLOX_DTYPES
+from moe_shard.kernels.tpu import megablox_gmm
 from moe_shard.sharding import match_vma
 
 
@@ -88,7 +88,7 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
 
 
 def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
-  """The "mosaic_gpu" backend: JAX's Mosaic GPU kernels (`gmm_gpu`; Hopper, sm_90a) for
+  """The "mosaic_gpu" backend: JAX's Mosaic GPU kernels (`kernels.gpu`; Hopper, sm_90a) for
   bfloat16 and float16; other dtypes (float32) take "ragged_dot". The kernels write x's
   dtype (f32 accumulators inside), then cast to `out_dtype`.
   """
@@ -109,7 +109,7 @@ BACKENDS: dict[str, Callable[..., Array]] = {
 # shard_maps run without that check (`parallel.common.shard_map`). Inside a user's own
 # shard_map with the check on, under such a scan, pass gmm_impl="ragged_dot".
 # CUDA takes "mosaic_gpu": its kernels trace on any host (off a GPU its dw traces as
-# lax.ragged_dot_general, see gmm_gpu), in shard_map and in scan-over-layers training.
+# lax.ragged_dot_general, see kernels/gpu.py), in shard_map and in scan-over-layers training.
 PLATFORM_BACKENDS = {"tpu": "megablox", "cuda": "mosaic_gpu"}
 DEFAULT_BACKEND = "tiled"
 GMM_CHOICES = ("auto", *BACKENDS)

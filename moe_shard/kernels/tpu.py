@@ -21,7 +21,7 @@ group boundary inside a tile. What megablox does not take as is:
     off and their outputs cast to vary like the inputs. Inputs that do not vary (e.g.
     replicated w) are cast to varying first (`sharding.match_vma`, as in `grouped_matmul`),
     so a replicated w's gradient comes back summed over the devices. (The other helpers,
-    shared with the GPU backend `gmm_gpu`, live in `gmm_pallas`.)
+    shared with the GPU backend `kernels.gpu`, live in `kernels.pallas`.)
 
 megablox also takes `group_offset` (groups [offset, offset + rhs groups) of the sizes, rhs
 holding only those: a device's local experts) and `existing_out` (accumulate into an
@@ -36,7 +36,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from moe_shard.gmm_pallas import (
+from moe_shard.kernels.pallas import (
   check_inputs,
   clip_group_sizes,
   no_vma_check,

@@ -21,10 +21,10 @@ one tile per group boundary. What the kernels do not take as is:
     default blocks), and y, dx, dw are sliced back. Padding copies x (M, D) and w (D, F) on
     every call: keep M, D and F multiples of 128 (model widths are) and no copy is made.
   * Rows past sum(group_sizes): never written (uninitialised memory), so y and dx are zeroed
-    with a `where` (`gmm_pallas.zero_past_groups`). Group sizes are clipped to end by M.
+    with a `where` (`kernels.pallas.zero_past_groups`). Group sizes are clipped to end by M.
     dw's kernel masks a neighbouring group's rows in a shared block by multiplying them by
     zero: a non-finite value in any row of x or dy (past the groups too) can reach dw.
-  * `jax.shard_map` with check_vma: as for megablox (`gmm_pallas`): the pallas_calls are
+  * `jax.shard_map` with check_vma: as for megablox (`kernels.pallas`): the pallas_calls are
     traced with the check off, their outputs cast to vary like the inputs.
   * Tracing off a GPU: `transposed_ragged_dot` reads the SM count from `jax.devices()[0]`
     while tracing. `lax.platform_dependent` (grouped_matmul's "auto") traces the CUDA branch
@@ -47,7 +47,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moe_shard.gmm_pallas import (
+from moe_shard.kernels.pallas import (
   check_inputs,
   clip_group_sizes,
   no_vma_check,

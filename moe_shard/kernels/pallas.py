@@ -1,5 +1,5 @@
-"""What the Pallas-kernel grouped-matmul backends share (`gmm_tpu`: megablox on TPU,
-`gmm_gpu`: Mosaic GPU on Hopper): group sizes clipped to the rows, the zeroing of rows the
+"""What the Pallas-kernel grouped-matmul backends share (`kernels.tpu`: megablox on TPU,
+`kernels.gpu`: Mosaic GPU on Hopper): group sizes clipped to the rows, the zeroing of rows the
 kernels leave unwritten, and tracing a `pallas_call` inside `jax.shard_map` with check_vma.
 
   * JAX's grouped-matmul kernels write only the rows of the groups: the rows at and past

@@ -1,0 +1,13 @@
+"""The grouped matmul and its backends (internal; the public names are re-exported by
+`moe_shard`: `grouped_matmul`, `BACKENDS`, `PLATFORM_BACKENDS`).
+
+    grouped_matmul.py  `grouped_matmul(x_MD, w_GDF, group_sizes_G, impl=...)`, the backend
+                       table `BACKENDS` and the choice per platform `PLATFORM_BACKENDS`
+    tiled.py           "tiled": power-of-two row tiles in `while_loop`s (CPU, any platform)
+    tpu.py             "megablox": JAX's megablox Pallas kernels (TPU)
+    gpu.py             "mosaic_gpu": JAX's Mosaic GPU Pallas kernels (Hopper GPUs)
+    pallas.py          what the two Pallas backends share
+
+Every backend does only the routed FLOPs, forward and backward. Nothing here knows about
+experts, routing or meshes: the dispatches call `grouped_matmul` on rows sorted by group.
+"""
