@@ -29,6 +29,7 @@ CONFIGS = {
     num_hidden_layers=2,
     hidden_act="silu",
     router_jitter_noise=0.1,
+    router_aux_loss_coef=0.02,
   ),
   "jamba": dict(
     hidden_size=D,
@@ -48,6 +49,7 @@ CONFIGS = {
     num_hidden_layers=2,
     norm_topk_prob=False,
     hidden_act="silu",
+    router_z_loss_coef=0.001,
   ),
   "qwen2_moe": dict(
     hidden_size=D,
@@ -66,7 +68,7 @@ CONFIGS = {
     hidden_size=D,
     intermediate_size=6,
     moe_intermediate_size=F,
-    num_experts=E,
+    num_local_experts=E,  # the other spelling of num_experts
     num_experts_per_tok=2,
     num_hidden_layers=4,
     mlp_only_layers=[],
@@ -89,6 +91,7 @@ CONFIGS = {
     norm_topk_prob=True,
     scoring_func="sigmoid",
     topk_method="noaux_tc",
+    aux_loss_alpha=1e-4,
     num_hidden_layers=3,
     hidden_act="silu",
   ),
@@ -110,6 +113,7 @@ CONFIGS = {
       moe_normalize_expert_weights=2.0,
       ffn_act_fn=dict(name="silu"),
       moe_jitter_eps=0.01,
+      moe_loss_weight=0.05,
     ),
   ),
   "granitemoe": dict(
@@ -119,6 +123,7 @@ CONFIGS = {
     num_experts_per_tok=2,
     num_hidden_layers=2,
     hidden_act="silu",
+    router_aux_loss_coef=None,
   ),
   "llama4_text": dict(
     hidden_size=D,
@@ -139,15 +144,26 @@ CONFIGS["gpt_oss_mxfp4"] = dict(
   intermediate_size=32,
   quantization_config=dict(quant_method="mxfp4", modules_to_not_convert=["*.mlp.router"]),
 )
+# DeepSeek-V3 in block-FP8, as its official release: every `*_proj.weight` F8_E4M3 with a
+# float32 `weight_scale_inv` per block (blocks of 3 x 5 here, so that edges are partial).
+CONFIGS["deepseek_v3_fp8"] = dict(
+  CONFIGS["deepseek_v3"],
+  quantization_config=dict(
+    quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[3, 5]
+  ),
+)
+# The config.json model_type of each key of CONFIGS.
+KIND = {k: k for k in CONFIGS} | {"gpt_oss_mxfp4": "gpt_oss", "deepseek_v3_fp8": "deepseek_v3"}
 MOE_LAYERS = {
   "mixtral": [0, 1], "jamba": [1, 3], "olmoe": [0, 1], "qwen2_moe": [0, 2], "qwen3_moe": [1, 3],
-  "deepseek_v3": [1, 2], "gpt_oss": [0, 1], "gpt_oss_mxfp4": [0, 1], "dbrx": [0, 1],
+  "deepseek_v3": [1, 2], "deepseek_v3_fp8": [1, 2], "gpt_oss": [0, 1], "gpt_oss_mxfp4": [0, 1], "dbrx": [0, 1],
   "granitemoe": [0, 1], "llama4_text": [1, 3], "llama4": [1, 3],
 }  # fmt: skip
 PREFIX = {
   "mixtral": "model.layers.{i}.block_sparse_moe.", "jamba": "model.layers.{i}.feed_forward.",
   "olmoe": "model.layers.{i}.mlp.", "qwen2_moe": "model.layers.{i}.mlp.",
   "qwen3_moe": "model.layers.{i}.mlp.", "deepseek_v3": "model.layers.{i}.mlp.",
+  "deepseek_v3_fp8": "model.layers.{i}.mlp.",
   "gpt_oss": "model.layers.{i}.mlp.", "gpt_oss_mxfp4": "model.layers.{i}.mlp.",
   "dbrx": "transformer.blocks.{i}.ffn.", "granitemoe": "model.layers.{i}.block_sparse_moe.",
   "llama4_text": "model.layers.{i}.feed_forward.",
@@ -186,7 +202,7 @@ def block_shapes(model_type):
       **_mlp([f"shared_expert.{p}" for p in proj], 6),
       "shared_expert_gate.weight": (1, D),
     }
-  if model_type == "deepseek_v3":
+  if model_type in ("deepseek_v3", "deepseek_v3_fp8"):
     return {
       "gate.weight": (8, D),
       "gate.e_score_correction_bias": (8,),
@@ -250,12 +266,24 @@ def _fp4_matrix(rng, shape):
   return (v * np.ldexp(1.0, np.repeat(s, 32, axis=-1))).astype(np.float32)
 
 
+def _fp8_matrix(rng, shape, block):
+  """(codes f8e4m3[out, in], scale_inv f32[ceil(out / bo), ceil(in / bi)], the values in f32:
+  codes times each element's block scale)."""
+  bo, bi = block
+  codes = np.clip(rng.normal(size=shape) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+  scale = rng.uniform(1e-3, 1e-2, size=(-(-shape[0] // bo), -(-shape[1] // bi)))
+  scale = scale.astype(np.float32)
+  grid = np.repeat(np.repeat(scale, bo, 0), bi, 1)[: shape[0], : shape[1]]
+  return codes, scale, codes.astype(np.float32) * grid
+
+
 def write(path, model_type, *, dtype=np.float32, seed=0, files=1):
   """Writes a tiny checkpoint of `model_type` into folder `path`.
 
   Args:
     path: the folder (created).
-    model_type: a key of `CONFIGS` ("gpt_oss_mxfp4": gpt_oss with MXFP4 experts).
+    model_type: a key of `CONFIGS` ("gpt_oss_mxfp4": gpt_oss with MXFP4 experts,
+      "deepseek_v3_fp8": deepseek_v3 with block-FP8 `*_proj.weight` tensors).
     dtype: the dtype of every float tensor (default float32; MXFP4 biases too).
     seed: the random seed.
     files: 1 (default): `model.safetensors`; more: that many shards and an index.
@@ -263,12 +291,13 @@ def write(path, model_type, *, dtype=np.float32, seed=0, files=1):
   Returns:
     (config.json dict, tensors: name -> array as written; for MXFP4 also the dequantized
     `experts.gate_up_proj` and `experts.down_proj` under their unquantized names, which are
-    not in the files).
+    not in the files; for FP8 each `*_proj.weight` is its dequantized value in bfloat16, the
+    loader's default dtype for it).
   """
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   rng = np.random.default_rng(seed)
-  kind = "gpt_oss" if model_type == "gpt_oss_mxfp4" else model_type
+  kind = KIND[model_type]
   config = dict(copy.deepcopy(CONFIGS[model_type]), model_type=kind)
   text = config.get("text_config", config)
   n = text.get("num_hidden_layers", text.get("n_layers"))
@@ -292,6 +321,10 @@ def write(path, model_type, *, dtype=np.float32, seed=0, files=1):
       w = _fp4_matrix(rng, shape[:1] + shape[1:][::-1])  # [E, out, in], quantized along in
       extra[name] = np.swapaxes(w, -1, -2)
       out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(w)
+    elif model_type == "deepseek_v3_fp8" and name.endswith("_proj.weight"):
+      block = config["quantization_config"]["weight_block_size"]
+      out[name], out[name + "_scale_inv"], values = _fp8_matrix(rng, shape, block)
+      extra[name] = values.astype(BF16)
     else:
       out[name] = (rng.normal(size=shape) * 0.5).astype(dtype)
   names = sorted(out)

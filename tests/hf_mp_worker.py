@@ -2,7 +2,8 @@
 
 Every process loads the checkpoint at `--path` with `hf.load_moe_layers` on a mesh over the
 devices of every process, the expert axis across the processes, and writes the bytes it read
-to `--out`.<process id>.json; process 0 also writes the loaded leaves, gathered, to
+to `--out`.<process id>.json with the error `hf.save_moe_layers` gives for those leaves,
+which no process holds whole; process 0 also writes the loaded leaves, gathered, to
 `--out`.npz. `tests/test_multiprocess.py` checks both.
 """
 
@@ -38,10 +39,15 @@ def main():
   mesh = jax.make_mesh((4, 2), ("expert", "data"), devices=jax.devices())
   assert len({d.process_index for d in mesh.devices[:, 0]}) == jax.process_count()
   hf.reset_bytes_read()
-  _, params = hf.load_moe_layers(args.path, mesh=mesh)
+  cfg, params = hf.load_moe_layers(args.path, mesh=mesh)
   read = hf.bytes_read()
+  try:  # each process holds half of the experts: the leaves are not fully addressable
+    hf.save_moe_layers(f"{args.out}.saved{jax.process_index()}", cfg, params, like=args.path)
+    save_error = None
+  except ValueError as e:
+    save_error = str(e)
   with open(f"{args.out}.{jax.process_index()}.json", "w") as f:
-    json.dump(dict(bytes_read=read), f)
+    json.dump(dict(bytes_read=read, save_error=save_error), f)
   leaves = {
     jax.tree_util.keystr(p, simple=True, separator="."): np.asarray(
       multihost_utils.process_allgather(a, tiled=True)

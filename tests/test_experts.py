@@ -545,3 +545,9 @@ def test_errors(case):
   call, error, message = ERRORS[case]
   with pytest.raises(error, match="^" + re.escape(message)):
     call()
+
+
+def test_error_ffn_without_leaves():
+  x_TD, experts_T = np.zeros((3, 4), np.float32), np.zeros((3,), np.int32)
+  with pytest.raises(ValueError, match=r"^moe_ragged_dot: w must have at least one array leaf"):
+    ms.moe_ragged_dot(x_TD, ms.Linear(None), experts_T)

@@ -246,7 +246,8 @@ def test_benchmark_cli_across_processes(tmp_path):
 
 
 def test_hf_load_reads_only_each_process_experts(tmp_path):
-  """`hf.load_moe_layers` on 2 processes: each reads its own experts' rows and the router."""
+  """`hf.load_moe_layers` on 2 processes: each reads its own experts' rows and the router;
+  `hf.save_moe_layers` of those leaves, which no process holds whole, raises."""
   import hf_checkpoints
 
   from moe_shard import hf
@@ -272,7 +273,10 @@ def test_hf_load_reads_only_each_process_experts(tmp_path):
   for i, (code, _) in enumerate(exits):
     assert code == 0, f"worker {i} exit code {code}\n{_log(tmp_path, i)}"
   for i in range(2):
-    read = json.loads((tmp_path / f"hf.{i}.json").read_text())["bytes_read"]
+    got = json.loads((tmp_path / f"hf.{i}.json").read_text())
+    read = got["bytes_read"]
+    error = got["save_error"] or ""
+    assert error.startswith("save_moe_layers: params.") and "must be fully addressable" in error
     # Half of the experts (the process's 2 of the expert axis's 4 devices) and the router.
     assert read == experts // 2 + router, (i, read, experts, router)
     assert read <= 0.6 * experts

@@ -8,6 +8,8 @@
 
 `path` is a model folder: config.json and safetensors (one file, or an index and shards).
 Tensors are read lazily, a slice at a time, with no torch; pickle files are never opened.
+gpt-oss's MXFP4 and the block-FP8 of DeepSeek-V3 and Qwen3 FP8 releases are dequantized on
+load and quantized back on save.
 The families (config.json `model_type`) are the keys of `FAMILIES` (`hf/families.py`).
 """
 
@@ -15,6 +17,7 @@ from moe_shard.hf.families import FAMILIES
 from moe_shard.hf.io import bytes_read, reset_bytes_read
 from moe_shard.hf.load import load_moe_layer, load_moe_layers, moe_layers, save_moe_layers
 from moe_shard.hf.mxfp4 import dequantize as dequantize_mxfp4
+from moe_shard.hf.mxfp4 import quantize as quantize_mxfp4
 
 __all__ = [
   "FAMILIES",
@@ -23,6 +26,7 @@ __all__ = [
   "load_moe_layer",
   "load_moe_layers",
   "moe_layers",
+  "quantize_mxfp4",
   "reset_bytes_read",
   "save_moe_layers",
 ]

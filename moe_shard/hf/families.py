@@ -21,7 +21,8 @@ The routers, as transformers computes them, and the `MoEConfig` that reproduces 
   jamba: softmax, top-k, not renormalised. olmoe, qwen2_moe, qwen3_moe: softmax, top-k,
     renormalised iff `norm_topk_prob`. qwen2_moe adds one shared expert scaled by
     `sigmoid(x @ shared_expert_gate)`.
-  deepseek_v3: sigmoid scores, `e_score_correction_bias` for selection only, group-limited
+  deepseek_v3: sigmoid scores (a `scoring_func` other than "sigmoid" raises: transformers
+    ignores the field), `e_score_correction_bias` for selection only, group-limited
     (`n_group`, `topk_group`), renormalised iff `norm_topk_prob`, times
     `routed_scaling_factor`; its `n_shared_experts` shared experts are one fused MLP of
     width n_shared * moe_intermediate_size, mapped to one shared expert of that width.
@@ -31,6 +32,15 @@ The routers, as transformers computes them, and the `MoEConfig` that reproduces 
     `moe_normalize_expert_weights` (None: not divided). `moe_jitter_eps` is training only.
   llama4: top-k of the logits, weights sigmoid(logit) not renormalised, applied to the
     expert's input; one shared expert of width `intermediate_size`.
+
+The aux-loss weights follow transformers' training loss. Its `load_balancing_loss_func` is
+K times moe_shard's balance loss (docs/guides/semantics.md), so a softmax family's
+`load_balance_coef` is K * `router_aux_loss_coef` (absent: the config class's default,
+0.001, OLMoE 0.01; null: 0), DBRX's K * `ffn_config.moe_loss_weight` (default 0.01).
+DeepSeek-V3's is `aux_loss_alpha` as written (the sequence-wise loss; 0 when absent, as
+transformers trains without it), Llama-4's 0 (transformers computes no balance loss for it,
+whatever its `router_aux_loss_coef`). `z_loss_coef` is `router_z_loss_coef`, else 0. The
+expert count is `num_experts` or `num_local_experts`, whichever config.json has.
 """
 
 from __future__ import annotations
@@ -58,12 +68,14 @@ def _silu(c, key="hidden_act"):
     )
 
 
-def _swiglu(template, gate, up, down):
-  """Per-expert `nn.Linear`s: gate and up [F, D], down [D, F]."""
+def _routed_layouts(router="gate.weight", gate="gate_proj", up="up_proj", down="down_proj"):
+  """A router `nn.Linear` [E, D] and per-expert `nn.Linear`s `experts.{j}.<name>.weight`:
+  gate and up [F, D], down [D, F]."""
   return (
-    PerExpert(template.format(gate), "experts.gate_EDF"),
-    PerExpert(template.format(up), "experts.up_EDF"),
-    PerExpert(template.format(down), "experts.down_EFD"),
+    Whole(router, "router_DE"),
+    PerExpert(f"experts.{{j}}.{gate}.weight", "experts.gate_EDF"),
+    PerExpert(f"experts.{{j}}.{up}.weight", "experts.up_EDF"),
+    PerExpert(f"experts.{{j}}.{down}.weight", "experts.down_EFD"),
   )
 
 
@@ -80,36 +92,64 @@ def _always_moe(c, i):
   return None
 
 
-# --------------------------------------------------------------------------- mixtral
+def _num_experts(c, default=None):
+  """The routed expert count, config.json `num_experts` or `num_local_experts`."""
+  for key in ("num_experts", "num_local_experts"):
+    if c.get(key) is not None:
+      return c[key]
+  if default is None:
+    raise KeyError("num_experts")
+  return default
+
+
+def _aux_loss(top_k, balance, c):
+  """The aux-loss weights: `balance` is transformers' coefficient of its
+  `load_balancing_loss_func`, which is K times moe_shard's balance loss; the z-loss weight is
+  `router_z_loss_coef` (0 when config.json has none)."""
+  return dict(
+    load_balance_coef=top_k * float(balance or 0.0),
+    z_loss_coef=float(c.get("router_z_loss_coef") or 0.0),
+  )
+
+
+def _routed(
+  c, d_ff="intermediate_size", aux_default: float | None = 0.001, act: str | None = "hidden_act"
+):
+  """The fields of a softmax top-k family: D, F (config.json key `d_ff`), E, K, and the
+  aux-loss weights from `router_aux_loss_coef` (absent: transformers' default
+  `aux_default`; None: no balance loss); `act` (None: not checked) must be silu."""
+  if act is not None:
+    _silu(c, act)
+  K = c["num_experts_per_tok"]
+  balance = c.get("router_aux_loss_coef", aux_default) if aux_default is not None else 0.0
+  return dict(
+    d_model=c["hidden_size"],
+    d_ff=c[d_ff],
+    num_experts=_num_experts(c),
+    top_k=K,
+    **_aux_loss(K, balance, c),
+  )
+
+
+# --------------------------------------------------------------------------- mixtral, granite
 
 
 def _mixtral(c):
-  _silu(c)
-  return dict(
-    d_model=c["hidden_size"],
-    d_ff=c["intermediate_size"],
-    num_experts=c["num_local_experts"],
-    top_k=c["num_experts_per_tok"],
-  )
+  """Mixtral and GraniteMoE: softmax top-k, renormalised (MoEConfig's defaults)."""
+  return _routed(c)
 
 
 # --------------------------------------------------------------------------- jamba
 
 
 def _jamba(c):
-  _silu(c)
-  return dict(
-    d_model=c["hidden_size"],
-    d_ff=c["intermediate_size"],
-    num_experts=c["num_experts"],
-    top_k=c["num_experts_per_tok"],
-    normalize_top_k=False,
-  )
+  return dict(_routed(c), normalize_top_k=False)
 
 
 def _jamba_dense(c, i):
-  if c["num_experts"] <= 1:
-    return f"num_experts is {c['num_experts']}"
+  n = _num_experts(c, 0)
+  if n <= 1:
+    return f"num_experts is {n}"
   period, offset = c.get("expert_layer_period", 2), c.get("expert_layer_offset", 1)
   if i % period != offset:
     return f"i % expert_layer_period ({period}) != expert_layer_offset ({offset})"
@@ -119,26 +159,18 @@ def _jamba_dense(c, i):
 # --------------------------------------------------------------------------- olmoe, qwen
 
 
-def _olmoe(c):
-  _silu(c)
-  return dict(
-    d_model=c["hidden_size"],
-    d_ff=c["intermediate_size"],
-    num_experts=c["num_experts"],
-    top_k=c["num_experts_per_tok"],
-    normalize_top_k=bool(c.get("norm_topk_prob", False)),
-  )
+def _norm_topk(d_ff, aux_default):
+  """OLMoE and Qwen-MoE: softmax top-k, renormalised iff `norm_topk_prob`."""
+
+  def config(c):
+    cfg = _routed(c, d_ff, aux_default)
+    return dict(cfg, normalize_top_k=bool(c.get("norm_topk_prob", False)))
+
+  return config
 
 
-def _qwen3(c):
-  _silu(c)
-  return dict(
-    d_model=c["hidden_size"],
-    d_ff=c["moe_intermediate_size"],
-    num_experts=c.get("num_experts", c.get("num_local_experts")),
-    top_k=c["num_experts_per_tok"],
-    normalize_top_k=bool(c.get("norm_topk_prob", False)),
-  )
+_olmoe = _norm_topk("intermediate_size", 0.01)
+_qwen3 = _norm_topk("moe_intermediate_size", 0.001)
 
 
 def _qwen2(c):
@@ -156,7 +188,7 @@ def _qwen2(c):
 def _qwen_dense(c, i):
   if i in (c.get("mlp_only_layers") or []):
     return f"mlp_only_layers {c['mlp_only_layers']} contains {i}"
-  if not c.get("num_experts", c.get("num_local_experts")):
+  if not _num_experts(c, 0):
     return "num_experts is 0"
   step = c.get("decoder_sparse_step", 1)
   if (i + 1) % step != 0:
@@ -170,8 +202,11 @@ def _qwen_dense(c, i):
 def _deepseek(c):
   _silu(c)
   score = c.get("scoring_func", "sigmoid")
-  if score not in ("sigmoid", "softmax"):
-    raise ValueError(f"config.json scoring_func must be 'sigmoid' or 'softmax' (got {score!r})")
+  if score != "sigmoid":
+    raise ValueError(
+      f"config.json scoring_func must be 'sigmoid': transformers' DeepseekV3TopkRouter "
+      f"applies sigmoid whatever the field says (got {score!r})"
+    )
   method = c.get("topk_method", "noaux_tc")
   if method != "noaux_tc":
     raise ValueError(f"config.json topk_method must be 'noaux_tc' (got {method!r})")
@@ -181,7 +216,7 @@ def _deepseek(c):
     d_ff=c["moe_intermediate_size"],
     num_experts=c["n_routed_experts"],
     top_k=c["num_experts_per_tok"],
-    score_func=score,
+    score_func="sigmoid",
     num_groups=c.get("n_group") or 1,
     top_k_groups=c.get("topk_group") or None,
     routed_scaling=float(c.get("routed_scaling_factor", 1.0)),
@@ -189,6 +224,10 @@ def _deepseek(c):
     bias_balancing=True,
     num_shared_experts=1 if n_shared else 0,
     shared_d_ff=n_shared * c["moe_intermediate_size"] if n_shared else None,
+    # The sigmoid router's balance loss is DeepSeek-V3's sequence-wise one, weighted by its
+    # alpha as written (transformers trains without it: 0 when config.json has none).
+    load_balance_coef=float(c.get("aux_loss_alpha") or 0.0),
+    z_loss_coef=float(c.get("router_z_loss_coef") or 0.0),
   )
 
 
@@ -206,9 +245,8 @@ def _deepseek_dense(c, i):
 
 def _deepseek_layouts(c):
   return (
-    Whole("gate.weight", "router_DE"),
+    *_routed_layouts(),
     Whole("gate.e_score_correction_bias", "router_bias", "id"),
-    *_swiglu("experts.{{j}}.{}.weight", "gate_proj", "up_proj", "down_proj"),
     *(_shared("shared_experts.") if c.get("n_shared_experts") else ()),
   )
 
@@ -218,10 +256,7 @@ def _deepseek_layouts(c):
 
 def _gpt_oss(c):
   return dict(
-    d_model=c["hidden_size"],
-    d_ff=c["intermediate_size"],
-    num_experts=c["num_local_experts"],
-    top_k=c["num_experts_per_tok"],
+    _routed(c, act=None),  # the experts are clamped SwiGLU whatever hidden_act says
     expert_type="clamped_swiglu",
     expert_bias=True,
     swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
@@ -254,12 +289,14 @@ def _dbrx(c):
       "round-robin, ignoring the router, cannot be expressed (got true)"
     )
   p = f.get("moe_normalize_expert_weights", 1.0)
+  K = f.get("moe_top_k", 1)
   return dict(
     d_model=c["d_model"],
     d_ff=f["ffn_hidden_size"],
     num_experts=f["moe_num_experts"],
-    top_k=f.get("moe_top_k", 1),
+    top_k=K,
     normalize_top_k=p is not None,
+    **_aux_loss(K, f.get("moe_loss_weight", 0.01), f),
     **({} if p is None or float(p) == 1.0 else dict(normalize_p=float(p))),
   )
 
@@ -275,16 +312,6 @@ DBRX = (
 # --------------------------------------------------------------------------- granitemoe
 
 
-def _granite(c):
-  _silu(c)
-  return dict(
-    d_model=c["hidden_size"],
-    d_ff=c["intermediate_size"],
-    num_experts=c["num_local_experts"],
-    top_k=c["num_experts_per_tok"],
-  )
-
-
 GRANITE = (
   Whole("router.layer.weight", "router_DE"),
   Fused("input_linear.weight", ("experts.gate_EDF", "experts.up_EDF"), "halves", transpose=True),
@@ -296,12 +323,8 @@ GRANITE = (
 
 
 def _llama4(c):
-  _silu(c)
   return dict(
-    d_model=c["hidden_size"],
-    d_ff=c["intermediate_size"],
-    num_experts=c["num_local_experts"],
-    top_k=c["num_experts_per_tok"],
+    _routed(c, aux_default=None),  # transformers computes no balance loss for Llama-4
     score_func="sigmoid",
     normalize_top_k=False,
     weights_on="input",
@@ -339,16 +362,14 @@ _LLAMA4 = Family(
   lambda c: LLAMA4,
 )
 
+ROUTED = _routed_layouts()
 FAMILIES = {
   "mixtral": Family(
     _mixtral,
     "num_hidden_layers",
     _always_moe,
     ("model.layers.{i}.block_sparse_moe.",),
-    lambda c: (
-      Whole("gate.weight", "router_DE"),
-      *_swiglu("experts.{{j}}.{}.weight", "w1", "w3", "w2"),
-    ),
+    lambda c: _routed_layouts("gate.weight", "w1", "w3", "w2"),
   ),
   "qwen2_moe": Family(
     _qwen2,
@@ -356,8 +377,7 @@ FAMILIES = {
     _qwen_dense,
     ("model.layers.{i}.mlp.",),
     lambda c: (
-      Whole("gate.weight", "router_DE"),
-      *_swiglu("experts.{{j}}.{}.weight", "gate_proj", "up_proj", "down_proj"),
+      *_routed_layouts(),
       *_shared("shared_expert."),
       Whole("shared_expert_gate.weight", "shared_gate_D", "row"),
     ),
@@ -367,10 +387,7 @@ FAMILIES = {
     "num_hidden_layers",
     _qwen_dense,
     ("model.layers.{i}.mlp.",),
-    lambda c: (
-      Whole("gate.weight", "router_DE"),
-      *_swiglu("experts.{{j}}.{}.weight", "gate_proj", "up_proj", "down_proj"),
-    ),
+    lambda c: ROUTED,
   ),
   "deepseek_v3": Family(
     _deepseek, "num_hidden_layers", _deepseek_dense, ("model.layers.{i}.mlp.",), _deepseek_layouts
@@ -380,17 +397,14 @@ FAMILIES = {
     "num_hidden_layers",
     _always_moe,
     ("model.layers.{i}.mlp.",),
-    lambda c: (
-      Whole("gate.weight", "router_DE"),
-      *_swiglu("experts.{{j}}.{}.weight", "gate_proj", "up_proj", "down_proj"),
-    ),
+    lambda c: ROUTED,
   ),
   "gpt_oss": Family(
     _gpt_oss, "num_hidden_layers", _always_moe, ("model.layers.{i}.mlp.",), lambda c: GPT_OSS
   ),
   "dbrx": Family(_dbrx, "n_layers", _always_moe, ("transformer.blocks.{i}.ffn.",), lambda c: DBRX),
   "granitemoe": Family(
-    _granite,
+    _mixtral,
     "num_hidden_layers",
     _always_moe,
     ("model.layers.{i}.block_sparse_moe.",),
@@ -403,10 +417,7 @@ FAMILIES = {
     "num_hidden_layers",
     _jamba_dense,
     ("model.layers.{i}.feed_forward.",),
-    lambda c: (
-      Whole("router.weight", "router_DE"),
-      *_swiglu("experts.{{j}}.{}.weight", "gate_proj", "up_proj", "down_proj"),
-    ),
+    lambda c: _routed_layouts("router.weight"),
   ),
 }
 

@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers bfloat16, which safetensors' NumPy reader needs)
+import ml_dtypes  # registers bfloat16, which safetensors' NumPy reader needs
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -25,6 +25,8 @@ from safetensors.numpy import save_file
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _BYTES_READ = [0]
+# Dtypes safetensors' NumPy reader cannot make, read from the file's bytes instead.
+RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
 
 
 def bytes_read():
@@ -113,9 +115,30 @@ class Checkpoint:
     """
     self._require(name)
     s = self._open(self.files[name]).get_slice(name)
-    a = s[:] if rows is None else s[rows[0] : rows[1]]
+    if s.get_dtype() in RAW_DTYPES:
+      a = self._read_raw(name, rows)
+    else:
+      a = s[:] if rows is None else s[rows[0] : rows[1]]
     _BYTES_READ[0] += a.nbytes
     return a
+
+  def _read_raw(self, name, rows):
+    """Reads a tensor of a dtype safetensors' NumPy reader lacks (FP8) from the file's bytes.
+
+    A safetensors file is an 8-byte little-endian header length, a JSON header giving each
+    tensor's dtype, shape and [begin, end) byte offsets after the header, then the data.
+    """
+    file = self.path / self.files[name]
+    with open(file, "rb") as f:
+      n = int.from_bytes(f.read(8), "little")
+      meta = json.loads(f.read(n))[name]
+      shape, (begin, end) = meta["shape"], meta["data_offsets"]
+      dtype = RAW_DTYPES[meta["dtype"]]
+      lo, hi = (0, shape[0]) if rows is None or not shape else rows
+      row = (end - begin) // max(shape[0], 1) if shape else end - begin
+      f.seek(8 + n + begin + lo * row)
+      data = f.read((hi - lo) * row)
+    return np.frombuffer(data, dtype).reshape((hi - lo, *shape[1:]) if shape else ())
 
 
 def write_folder(path, config, shards):

@@ -19,8 +19,9 @@ transposed. Leaf names are the `MoEParams` paths, e.g. "experts.gate_EDF".
 Every read takes the rows [lo, hi) of the expert axis only (replicated tensors are read
 whole), and caches what it read in `cache` so that two leaves of one fused tensor, or
 several devices holding the same experts, read the bytes once. A tensor stored as MXFP4
-(`name_blocks`, `name_scales`, gpt-oss) is dequantized on read; it is written back
-dequantized under `name`.
+(`name_blocks`, `name_scales`, gpt-oss), or as block-FP8 (`name` F8_E4M3 with
+`name_scale_inv`, DeepSeek-V3 and Qwen3 FP8 releases), is dequantized on read; `write` gives
+it unquantized under `name`, and `save_moe_layers` quantizes it back.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
+from moe_shard.hf import fp8
 from moe_shard.hf.mxfp4 import dequantize
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -39,40 +41,70 @@ def _swap(a):
   return np.swapaxes(a, -1, -2)
 
 
+def fp8_block(ckpt):
+  """(bo, bi): the block of a block-FP8 checkpoint's scales (`weight_block_size`)."""
+  q = ckpt.config.get("quantization_config") or {}
+  return tuple(q.get("weight_block_size") or (128, 128))
+
+
 def read_rows(ckpt, name, lo, hi, cache, mx_dtype):
-  """Rows [lo, hi) of tensor `name` in its unquantized layout (MXFP4 dequantized to mx_dtype)."""
+  """Rows [lo, hi) of tensor `name` in its unquantized layout (MXFP4 and block-FP8
+  dequantized to mx_dtype)."""
   key = (name, lo, hi)
   if key not in cache:
-    if name not in ckpt and name + "_blocks" in ckpt:
+    how = stored(ckpt, name)[1]
+    if how == "mxfp4":
       blocks = ckpt.read(name + "_blocks", (lo, hi))
       scales = ckpt.read(name + "_scales", (lo, hi))
       cache[key] = _swap(dequantize(blocks, scales, mx_dtype))
+    elif how == "fp8":
+      block = fp8_block(ckpt)
+      w = ckpt.read(name, None if lo is None else (lo, hi))
+      first = 0 if lo is None else lo // block[0]
+      last = None if hi is None else -(-hi // block[0])
+      s = ckpt.read(name + "_scale_inv", None if lo is None else (first, last))
+      row0 = 0 if lo is None else lo - first * block[0]
+      cache[key] = fp8.dequantize(w, s, block, mx_dtype, row0)
     else:
       cache[key] = ckpt.read(name, None if lo is None else (lo, hi))
   return cache[key]
 
 
 def stored(ckpt, name):
-  """(shape, how) of tensor `name`: how is "" or "mxfp4" (then the unquantized shape)."""
+  """(shape, how) of tensor `name`: how is "", "mxfp4" (then the unquantized shape) or
+  "fp8" (an F8_E4M3 tensor with its `name_scale_inv` block scales)."""
   if name not in ckpt and name + "_blocks" in ckpt:
     shape, _ = ckpt.meta(name + "_blocks")
     *lead, n, g, b = shape
     return (*lead, g * b * 2, n), "mxfp4"
-  return ckpt.meta(name)[0], ""
+  shape, kind = ckpt.meta(name)
+  if kind == "F8_E4M3" and name + "_scale_inv" in ckpt:
+    return shape, "fp8"
+  return shape, ""
+
+
+class _Layout:
+  """What every layout shares: one leaf (`Fused` has two), expert axis first unless replicated.
+
+  Subclasses are frozen dataclasses whose first field is the tensor name (or template).
+  """
+
+  leaf: str
+  expert_axis = True
+
+  @property
+  def leaves(self) -> tuple[str, ...]:
+    return (self.leaf,)
 
 
 @dataclasses.dataclass(frozen=True)
-class Whole:
+class Whole(_Layout):
   """A replicated tensor (router, bias, shared expert) and its one leaf."""
 
   name: str
   leaf: str
   op: str = "T"
   expert_axis = False
-
-  @property
-  def leaves(self):
-    return (self.leaf,)
 
   def tensors(self, shapes):
     s = shapes[self.leaf]
@@ -88,16 +120,11 @@ class Whole:
 
 
 @dataclasses.dataclass(frozen=True)
-class PerExpert:
+class PerExpert(_Layout):
   """E tensors, one `nn.Linear` weight [out, in] per expert, and their stacked leaf."""
 
   template: str
   leaf: str
-  expert_axis = True
-
-  @property
-  def leaves(self):
-    return (self.leaf,)
 
   def tensors(self, shapes):
     E, *s = shapes[self.leaf]
@@ -114,17 +141,12 @@ class PerExpert:
 
 
 @dataclasses.dataclass(frozen=True)
-class Stacked:
+class Stacked(_Layout):
   """One [E, a, b] (or [E, a]) tensor and its leaf, the last two axes swapped if `transpose`."""
 
   name: str
   leaf: str
   transpose: bool = False
-  expert_axis = True
-
-  @property
-  def leaves(self):
-    return (self.leaf,)
 
   def tensors(self, shapes):
     s = shapes[self.leaf]
@@ -140,17 +162,16 @@ class Stacked:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fused:
+class Fused(_Layout):
   """One tensor holding the gate and up leaves, by halves or interleaved on the last axis."""
 
   name: str
   pair: tuple[str, str]
   how: str = "halves"
   transpose: bool = False
-  expert_axis = True
 
   @property
-  def leaves(self):
+  def leaves(self) -> tuple[str, ...]:
     return self.pair
 
   def tensors(self, shapes):
@@ -177,17 +198,12 @@ class Fused:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rows:
+class Rows(_Layout):
   """DBRX's [E*F, D] tensor: expert j is rows [j F, (j + 1) F)."""
 
   name: str
   leaf: str
   transpose: bool = False
-  expert_axis = True
-
-  @property
-  def leaves(self):
-    return (self.leaf,)
 
   def _fd(self, shapes):
     _, a, b = shapes[self.leaf]

@@ -11,6 +11,7 @@ a whole expert tensor.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from pathlib import Path
 
@@ -21,9 +22,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_shard.config import MoEConfig
+from moe_shard.hf import fp8
 from moe_shard.hf.families import FAMILIES, Family, text_config
 from moe_shard.hf.io import Checkpoint, write_folder
-from moe_shard.hf.layouts import BF16, stored
+from moe_shard.hf.layouts import BF16, fp8_block, stored
+from moe_shard.hf.mxfp4 import quantize as quantize_mxfp4
 from moe_shard.params import MoEParams, moe_param_shapes, moe_param_specs
 from moe_shard.sharding import EXPERT, resolve_mesh
 
@@ -83,11 +86,11 @@ def _open(fn, path):
   quant = (ckpt.config.get("quantization_config") or text.get("quantization_config") or {}).get(
     "quant_method"
   )
-  if quant not in (None, "mxfp4") or (quant == "mxfp4" and model_type != "gpt_oss"):
+  if quant not in (None, "mxfp4", "fp8") or (quant == "mxfp4" and model_type != "gpt_oss"):
     raise ValueError(
       f"{fn}: config.json quantization_config.quant_method {quant!r} is not supported for "
-      f"{model_type} (only gpt_oss's 'mxfp4' is dequantized on load): dequantize the "
-      f"checkpoint first"
+      f"{model_type} (only gpt_oss's 'mxfp4' and block 'fp8' are dequantized on load): "
+      f"dequantize the checkpoint first"
     )
   return _Block(ckpt, family, text, tuple(family.layouts(text)))
 
@@ -100,24 +103,25 @@ def _config(fn, block, layer, dtype, expert_axis):
     raise ValueError(f"{fn}: config.json lacks the field {e.args[0]!r}") from None
   except ValueError as e:
     raise ValueError(f"{fn}: {e}") from None
-  missing = sorted(set(fields) - {f.name for f in dataclasses.fields(MoEConfig)})
-  if missing:
-    raise NotImplementedError(
-      f"{fn}: this moe_shard's MoEConfig has no field {', '.join(missing)}, which "
-      f"{block.ckpt.config['model_type']} needs"
-    )
   if dtype is None:
     dtype = _stored_dtype(fn, block, layer, MoEConfig(**fields))
   return MoEConfig(**fields, param_dtype=jnp.dtype(dtype), expert_axis=expert_axis)
 
 
 def _stored_dtype(fn, block, layer, cfg):
-  """The widest float dtype of the layer's expert tensors (MXFP4 counts as bfloat16)."""
+  """The widest float dtype of the layer's expert tensors (MXFP4 and FP8 count as bfloat16)."""
   kinds = set()
   for lay in block.at(layer):
     for name in lay.tensors(_leaf_shapes(cfg)) if lay.expert_axis else ():
       _, how = stored(block.ckpt, name)
       kind = "BF16" if how else block.ckpt.meta(name)[1]
+      if kind.startswith("F8"):
+        raise ValueError(
+          f"{fn}: tensor {name!r} has dtype {kind} without block scales "
+          f"{name + '_scale_inv'!r}: FP8 is read only as block-FP8 (quantization_config "
+          f"quant_method 'fp8', F8_E4M3 weights, each with its weight_scale_inv); "
+          f"dequantize the checkpoint first"
+        )
       if kind not in DTYPES:
         raise ValueError(f"{fn}: tensor {name!r} has dtype {kind}, not a float dtype")
       kinds.add(kind)
@@ -151,34 +155,40 @@ def _mesh(fn, mesh, cfg):
 
 
 def _check_layer(fn, block, layer):
+  """Returns `layer` as an int, raising unless it is an integer index of an MoE layer."""
   n = block.num_layers()
-  if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
+  try:
+    i = None if isinstance(layer, bool) else operator.index(layer)
+  except TypeError:
+    i = None
+  if i is None or not 0 <= i < n:
     raise ValueError(
       f"{fn}: layer must be an int in [0, {n}) ({block.family.num_layers}={n} in "
       f"config.json) (got {layer!r})"
     )
+  layer = i
   reason = block.family.dense(block.text, layer)
   if reason is not None:
     raise ValueError(
       f"{fn}: layer {layer} is dense, not MoE, in this {block.ckpt.config['model_type']} "
       f"checkpoint: {reason} in config.json (MoE layers: {block.moe_layers()})"
     )
+  return layer
 
 
 def _check_tensors(fn, block, layer, cfg):
   """Raises unless every tensor of layer `layer`'s block exists with the config's shape."""
   shapes = _leaf_shapes(cfg)
-  covered = {leaf for lay in block.layouts for leaf in lay.leaves}
-  if covered != set(shapes):
-    raise NotImplementedError(
-      f"{fn}: the {block.ckpt.config['model_type']} table maps the leaves {sorted(covered)}, "
-      f"but this MoEConfig has {sorted(shapes)}"
-    )
   for lay in block.at(layer):
     for name, want in lay.tensors(shapes).items():
       got, how = stored(block.ckpt, name)
+      if how == "fp8":
+        scale, _ = block.ckpt.meta(name + "_scale_inv")
+        why = fp8.check(name, got, scale, fp8_block(block.ckpt))
+        if why:
+          raise ValueError(f"{fn}: {why}")
       if tuple(got) != tuple(want):
-        what = " (dequantized MXFP4)" if how else ""
+        what = " (dequantized MXFP4)" if how == "mxfp4" else ""
         raise ValueError(
           f"{fn}: tensor {name!r}{what} has shape {tuple(got)}, but config.json implies "
           f"{tuple(want)}"
@@ -259,7 +269,8 @@ def load_moe_layer(
       leaf created placed as `moe_param_specs(cfg)` says, each process reading only the
       experts its devices hold.
     dtype: the dtype of the expert and shared-expert weights (default None: the stored one;
-      bfloat16 for MXFP4). The router, its biases and the shared gate are float32.
+      bfloat16 for MXFP4 and block-FP8, whose products are formed in float32). The router,
+      its biases and the shared gate are float32.
     expert_axis: `MoEConfig.expert_axis` (default "expert").
 
   Returns:
@@ -269,11 +280,13 @@ def load_moe_layer(
   Raises:
     FileNotFoundError: no folder, config.json or safetensors file.
     ValueError: an unsupported model_type or config field, only pickle files, a layer out of
-      range or dense, a tensor missing or of a shape other than config.json implies.
+      range or dense, a tensor missing or of a shape other than config.json implies, an
+      expert tensor not of a float dtype (FP8 without block scales), block-FP8 scales of
+      another shape than the block implies.
   """
   fn = "load_moe_layer"
   block = _open(fn, path)
-  _check_layer(fn, block, layer)
+  layer = _check_layer(fn, block, layer)
   cfg = _config(fn, block, layer, dtype, expert_axis)
   mesh = _mesh(fn, mesh, cfg)
   _check_tensors(fn, block, layer, cfg)
@@ -333,9 +346,13 @@ def save_moe_layers(
   The folder `path` gets `like`'s config.json and every tensor of `like` that is not in the
   MoE blocks written (copied as stored), plus the MoE tensors from `params`, each in the
   dtype `like` stores it in and transformed back to its layout (transposed, fused, DBRX's
-  rows). MXFP4 tensors of `like` are written dequantized, as bfloat16 under the unquantized
-  name (`experts.gate_up_proj`, not `_blocks`/`_scales`), and `quantization_config` is
-  dropped from config.json: transformers loads that as a bfloat16 gpt-oss checkpoint.
+  rows). MXFP4 tensors of `like` are written as MXFP4 `_blocks`/`_scales` again
+  (`mxfp4.quantize`), keeping `like`'s scale of each block of 32 whose values it still
+  represents exactly (so unchanged weights come back bit for bit) and choosing a fresh
+  scale, values rounded to nearest even, for a block that changed. Block-FP8 tensors are
+  written as F8_E4M3 with `like`'s `weight_scale_inv` (unchanged weights bit for bit; a
+  value beyond 448 times its block's scale raises). config.json keeps its
+  `quantization_config`.
 
   Args:
     path: the output folder (created; must not be `like`).
@@ -346,16 +363,15 @@ def save_moe_layers(
     layers: the decoder layers of the stack (default None: every MoE layer of `like`).
 
   Raises:
-    ValueError: `path` is `like`, the stack length differs from len(layers), or as
-      `load_moe_layer` for `like`.
+    ValueError: `path` is `like`, the stack length differs from len(layers), a block-FP8
+      value does not fit its stored scale, or as `load_moe_layer` for `like`.
   """
   fn = "save_moe_layers"
   block = _open(fn, like)
   if Path(path).resolve() == Path(like).resolve():
     raise ValueError(f"{fn}: path must differ from like (got {str(path)!r} for both)")
   layers = block.moe_layers() if layers is None else list(layers)
-  for i in layers:
-    _check_layer(fn, block, i)
+  layers = [_check_layer(fn, block, i) for i in layers]
   if not isinstance(params, MoEParams):
     raise TypeError(f"{fn}: params must be a MoEParams (got {type(params).__name__})")
   leaves = _leaves(params)
@@ -370,7 +386,7 @@ def save_moe_layers(
         f"{fn}: params.{k} must be fully addressable by this process to be written (gather "
         f"it first, e.g. jax.experimental.multihost_utils.process_allgather)"
       )
-  moe, quantized, shards = set(), False, []
+  moe, shards = set(), []
   for pos, i in enumerate(layers):
     _check_tensors(fn, block, i, cfg)
     arrays = {k: np.asarray(jax.device_get(a[pos])) for k, a in leaves.items()}
@@ -378,10 +394,17 @@ def save_moe_layers(
     for lay in block.at(i):
       for name, a in lay.write(arrays).items():
         _, how = stored(block.ckpt, name)
-        if how:
-          quantized = True
+        if how == "mxfp4":
+          # The checkpoint's [out, in] order; `like`'s scales kept where the block fits them.
+          like_scales = block.ckpt.read(name + "_scales")
+          blocks, scales = quantize_mxfp4(np.swapaxes(a, -1, -2), like_scales)
           moe.update({name + "_blocks", name + "_scales"})
-          shard[name] = np.asarray(a, BF16)
+          shard[name + "_blocks"], shard[name + "_scales"] = blocks, scales
+        elif how == "fp8":
+          scale = block.ckpt.read(name + "_scale_inv")
+          moe.update({name, name + "_scale_inv"})
+          shard[name] = fp8.quantize(name, a, scale, fp8_block(block.ckpt))
+          shard[name + "_scale_inv"] = scale
         else:
           moe.add(name)
           shard[name] = np.asarray(a, DTYPES[block.ckpt.meta(name)[1]])
@@ -390,7 +413,4 @@ def save_moe_layers(
   for name, file in block.ckpt.files.items():
     if name not in moe:
       rest.setdefault(file, {})[name] = block.ckpt.read(name)
-  config = dict(block.ckpt.config)
-  if quantized:
-    config.pop("quantization_config", None)
-  write_folder(path, config, [*rest.values(), *shards])
+  write_folder(path, block.ckpt.config, [*rest.values(), *shards])
