@@ -213,6 +213,11 @@ class MoEConfig:
       )
     _checks.bool_field(fn, "normalize_top_k", self.normalize_top_k)
     put("normalize_p", check_normalize_p(fn, self.normalize_p))
+    if not self.normalize_top_k and self.normalize_p != 1.0:
+      raise ValueError(
+        f"{fn}: normalize_p must be 1.0 when normalize_top_k is False, which leaves the "
+        f"weights unnormalised (got {self.normalize_p!r})"
+      )
     _checks.choice_field(fn, "weights_on", self.weights_on, WEIGHTS_ON)
     self._check_router_fields(fn, put)
     for name in ("load_balance_coef", "z_loss_coef"):

@@ -245,6 +245,12 @@ BAD_CONFIGS = [
   ),
   (dict(normalize_p=True), TypeError, "MoEConfig: normalize_p must be a real number (got True)"),
   (dict(normalize_p=math.inf), ValueError, "MoEConfig: normalize_p must be finite and > 0"),
+  (
+    dict(normalize_p=2.0, normalize_top_k=False),
+    ValueError,
+    "MoEConfig: normalize_p must be 1.0 when normalize_top_k is False, which leaves the "
+    "weights unnormalised (got 2.0)",
+  ),
 ]
 
 
