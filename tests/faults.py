@@ -120,6 +120,17 @@ FAULTS = {
     ),
     ("tests/test_layer_oracle.py", "-k", "bf16"),
   ),
+  "H": Fault(
+    'the Equinox module resolves its mesh with the axis name "expert", not cfg.expert_axis',
+    (
+      (
+        "moe_shard/equinox.py",
+        "resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)",
+        'resolve_mesh(fn, mesh, "expert", cfg.num_experts, required=False)',
+      ),
+    ),
+    ("tests/test_axis_names.py",),
+  ),
 }
 
 REPO = Path(__file__).resolve().parent.parent
