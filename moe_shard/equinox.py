@@ -3,6 +3,7 @@
     from moe_shard.equinox import MoE
     moe = MoE(cfg, key=jax.random.key(0), mesh=mesh)   # parameters created sharded
     y_BSD, aux = moe(x_BSD)                             # moe_layer(moe.params, x_BSD, cfg, mesh)
+    moe = MoE.from_params(cfg, params, mesh=mesh)       # around given MoEParams (a checkpoint)
 
 A thin module over `init_moe_params` and `moe_layer`: its one array field is `params`, the
 `MoEParams` pytree (arrays already placed with `moe_param_specs`); `cfg` and `mesh` are
@@ -21,13 +22,16 @@ Importing `moe_shard` does not import Equinox; this module does.
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.layer import moe_layer
-from moe_shard.params import MoEParams, init_moe_params
+from moe_shard.params import MoEParams, _check_params, init_moe_params
 from moe_shard.sharding import resolve_mesh
+
+__all__ = ["MoE"]
 
 
 class MoE(eqx.Module):
@@ -60,6 +64,27 @@ class MoE(eqx.Module):
     self.cfg = cfg
     self.mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
     self.params = init_moe_params(key, cfg, mesh=self.mesh)
+
+  @classmethod
+  def from_params(
+    cls, cfg: MoEConfig, params: MoEParams, *, mesh: Mesh | AbstractMesh | None = None
+  ) -> MoE:
+    """Builds the module around given parameters, drawing none (e.g. a loaded checkpoint).
+
+    Args:
+      cfg: `MoEConfig`.
+      params: `MoEParams` with the leaves and shapes `init_moe_params(cfg)` makes (e.g. from
+        `moe_shard.hf.load_moe_layer(path, layer, mesh=mesh)`); the arrays are kept as they
+        are placed, not copied or moved.
+      mesh: as in `MoE(...)` (default None).
+
+    Raises:
+      TypeError, ValueError: `params` does not fit `cfg`.
+    """
+    _check_params("moe_shard.equinox.MoE.from_params", params, cfg)
+    # The module's structure without drawing its parameters, then the given ones in place.
+    module = eqx.filter_eval_shape(cls, cfg, key=jax.random.key(0), mesh=mesh)
+    return eqx.tree_at(lambda m: m.params, module, params)
 
   def __call__(
     self, x_BSD: Float[Array, "B S D"]

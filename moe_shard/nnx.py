@@ -3,6 +3,7 @@
     from moe_shard.nnx import MoE
     moe = MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh)   # parameters created sharded
     y_BSD, aux = moe(x_BSD)                        # moe_layer(moe.moe_params(), x_BSD, cfg, mesh)
+    moe = MoE.from_params(cfg, params, mesh=mesh)  # around given MoEParams (a checkpoint)
 
 A thin module over `init_moe_params` and `moe_layer`: the parameters are the leaves of
 `MoEParams`, each an `nnx.Param` (the balancing bias `router_bias` a `RouterBias`, not
@@ -29,8 +30,10 @@ from jaxtyping import Array, Float
 
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.layer import moe_layer
-from moe_shard.params import MoEParams, init_moe_params, moe_param_specs
+from moe_shard.params import MoEParams, _check_params, init_moe_params, moe_param_specs
 from moe_shard.sharding import resolve_mesh
+
+__all__ = ["MoE", "RouterBias"]
 
 
 class RouterBias(nnx.Variable):
@@ -84,8 +87,32 @@ class MoE(nnx.Module):
     check_config(fn, cfg)
     self.cfg = cfg
     self.mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
-    params = init_moe_params(rngs.params(), cfg, mesh=self.mesh)
-    specs = moe_param_specs(cfg)
+    self._set_params(init_moe_params(rngs.params(), cfg, mesh=self.mesh))
+
+  @classmethod
+  def from_params(
+    cls, cfg: MoEConfig, params: MoEParams, *, mesh: Mesh | AbstractMesh | None = None
+  ) -> MoE:
+    """Builds the module around given parameters, drawing none (e.g. a loaded checkpoint).
+
+    Args:
+      cfg: `MoEConfig`.
+      params: `MoEParams` with the leaves and shapes `init_moe_params(cfg)` makes (e.g. from
+        `moe_shard.hf.load_moe_layer(path, layer, mesh=mesh)`); the arrays are kept as they
+        are placed, not copied or moved.
+      mesh: as in `MoE(...)` (default None).
+
+    Raises:
+      TypeError, ValueError: `params` does not fit `cfg`.
+    """
+    _check_params("moe_shard.nnx.MoE.from_params", params, cfg)
+    # The module's structure without drawing its parameters, then the given ones in place.
+    module = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), mesh=mesh))
+    module._set_params(params)
+    return module
+
+  def _set_params(self, params):
+    specs = moe_param_specs(self.cfg)
     for field in dataclasses.fields(MoEParams):  # one attribute per field, None when off
       make = functools.partial(_variable, _VARIABLE_KINDS.get(field.name, nnx.Param))
       value = getattr(params, field.name)

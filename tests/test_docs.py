@@ -3,26 +3,38 @@ page is current.
 
 * Every ```python block of README.md and docs/**/*.md runs as written. The blocks of one
   page run in order in one namespace (a later block may use an earlier block's names), one
-  test per page; 8 simulated CPU devices come from conftest. Blocks fenced as ```py or
-  ```text are shown, not run (e.g. multi-host set-up with addresses). They run with JAX's
-  "rbg" PRNG instead of the default threefry: XLA:CPU takes longer to compile threefry's
-  sharded programs than the examples themselves, and no example depends on the values
-  drawn (each checks relations, such as two dispatches agreeing).
+  test per page; 8 simulated CPU devices come from conftest. A block whose first line is
+  "# Needs libtpu" (an ahead-of-time TPU compile) runs when libtpu is importable (from
+  `.tpu-libs/`, `python tests/install_tpu_libs.py`), and the page's test is skipped after
+  its other blocks otherwise. They run with JAX's "rbg" PRNG instead of the default
+  threefry: XLA:CPU takes longer to compile threefry's sharded programs than the examples
+  themselves, and no example depends on the values drawn (each checks relations, such as
+  two dispatches agreeing).
+* Blocks fenced as ```py are not run in a page's namespace: the multi-host script of
+  docs/guides/sharding.md runs as written on 2 local processes
+  (`test_multihost_script_runs_on_two_processes`), and docs/guides/huggingface.md's first
+  block lists call signatures (`path`, `layer`, `out` are placeholders), run with real
+  values by that page's next block.
 * The site builds with `mkdocs build --strict`, and its API page documents every name of
-  `moe_shard.__all__` and of `moe_shard.hf.__all__`, `moe_shard.nnx.MoE` and
-  `moe_shard.equinox.MoE`.
+  `moe_shard.__all__` and of the `__all__` of `moe_shard.hf`, `moe_shard.nnx` and
+  `moe_shard.equinox`.
 * docs/benchmarks.md is what `python -m bench.docs_page` writes from bench/results/.
 """
 
 import ast
+import os
 import pathlib
 import pkgutil
 import re
+import signal
+import socket
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
+from cases import assert_close
 
 import moe_shard
 
@@ -49,8 +61,26 @@ def test_pages_have_examples():
 
 
 def test_readme_is_short():
-  lines = (ROOT / "README.md").read_text().splitlines()
+  text = (ROOT / "README.md").read_text()
+  lines = text.splitlines()
   assert len(lines) <= 200, f"README.md has {len(lines)} lines: move detail into docs/"
+  # A newcomer finds the working quickstart (run by test_page_examples_run) on the first screen.
+  quickstart = BLOCK.search(text)
+  assert quickstart, "the README's quickstart is a ```python block"
+  last = text[: quickstart.end()].count("\n") + 1  # the line of its closing fence
+  assert last <= 60, f"the README's first ```python block ends on line {last}: keep it by line 60"
+
+
+def test_no_history_wording():
+  # Docs describe the code as it is; what changed and when belongs in CHANGELOG.md.
+  history = re.compile(r"this turn|last turn|issue \d+", flags=re.I)
+  found = [
+    f"{_name(p)}:{i}: {line.strip()}"
+    for p in PAGES
+    for i, line in enumerate(p.read_text().splitlines(), 1)
+    if history.search(line)
+  ]
+  assert not found, "history wording in the docs:\n" + "\n".join(found)
 
 
 @pytest.fixture
@@ -63,10 +93,88 @@ def rbg_prng():
 
 @pytest.mark.usefixtures("rbg_prng")
 @pytest.mark.parametrize("page", [p for p in PAGES if _blocks(p)], ids=_name)
-def test_page_examples_run(page):
+def test_page_examples_run(page, monkeypatch):
+  monkeypatch.chdir(ROOT)  # paths in the examples are relative to the repository root
   namespace = {"__name__": f"docs_{page.stem}"}
+  skipped = []
   for i, code in enumerate(_blocks(page)):
+    if code.startswith(NEEDS_LIBTPU) and not _has_libtpu():
+      skipped.append(i)
+      continue
     exec(compile(code, f"{_name(page)}[python block {i}]", "exec"), namespace)
+  if skipped:
+    pytest.skip(f"ran every block but {skipped}, which need libtpu (tests/install_tpu_libs.py)")
+
+
+NEEDS_LIBTPU = "# Needs libtpu"
+
+
+def _has_libtpu():
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+MULTIHOST = re.compile(r"^```py\n(.*?)^```", flags=re.S | re.M)
+
+
+def test_multihost_script_runs_on_two_processes(tmp_path, monkeypatch):
+  # The ```py script of docs/guides/sharding.md as shown, on 2 processes x 4 CPU devices
+  # joined by jax.distributed (gloo collectives); its gathered output equals the same
+  # layer in this process.
+  page = DOCS / "guides" / "sharding.md"
+  (script,) = [c for c in MULTIHOST.findall(page.read_text()) if "jax.distributed" in c]
+  (tmp_path / "train.py").write_text(script)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    JAX_PLATFORMS="cpu",
+    JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+    JAX_NUM_PROCESSES="2",
+    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+  )
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "train.py"],
+      env=dict(env, JAX_PROCESS_ID=str(i)),
+      cwd=tmp_path,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+    )
+    for i in range(2)
+  ]
+  try:
+    # While they run: the script in this process (8 devices, jax.distributed left out),
+    # for its parameters, config and mesh.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: None)
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+      monkeypatch.setenv(name, "0")
+    here = {"__name__": "docs_multihost"}
+    exec(compile(script, f"{_name(page)}[multi-host script]", "exec"), here)
+    (tmp_path / "train_out.npz").rename(tmp_path / "one_process.npz")
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i} exit code {p.returncode}:\n{out[-3000:]}"
+  assert "(8, 16, 64)" in outs[0] and "(8, 16, 64)" not in outs[1]  # process 0 prints
+  with np.load(tmp_path / "train_out.npz") as got:
+    x_BSD, y_BSD = got["x_BSD"], got["y_BSD"]
+  assert not np.array_equal(x_BSD[:4], x_BSD[4:])  # each process's own rows
+  want_BSD, _ = moe_shard.moe_layer(here["params"], x_BSD, here["cfg"], mesh=here["mesh"])
+  assert_close(y_BSD, want_BSD, np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -91,22 +199,21 @@ def test_api_reference_lists_every_public_name(site):
     for name in moe_shard.__all__
     if f"moe_shard.{name}" not in ids and not any(f"moe_shard.{m}.{name}" in ids for m in modules)
   ]
-  missing += [n for n in ("moe_shard.nnx.MoE", "moe_shard.equinox.MoE") if n not in ids]
-  missing += [f"moe_shard.hf.{n}" for n in _hf_all() if f"moe_shard.hf.{n}" not in ids]
+  for module, path in (("hf", "hf/__init__.py"), ("nnx", "nnx.py"), ("equinox", "equinox.py")):
+    names = [f"moe_shard.{module}.{n}" for n in _all_of(ROOT / "moe_shard" / path)]
+    missing += [n for n in names if n not in ids]
   assert not missing, f"docs/api.md documents no heading for {missing}"
 
 
-def _hf_all():
-  """`moe_shard.hf.__all__`, read from its source (importing it needs safetensors)."""
-  path = ROOT / "moe_shard" / "hf" / "__init__.py"
-  if not path.exists():
-    return []
+def _all_of(path):
+  """A module's `__all__`, read from its source (importing them needs safetensors, Flax and
+  Equinox)."""
   for node in ast.parse(path.read_text()).body:
     if isinstance(node, ast.Assign) and any(
       isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
     ):
       return ast.literal_eval(node.value)
-  raise AssertionError("moe_shard/hf/__init__.py has no __all__")
+  raise AssertionError(f"{path.relative_to(ROOT)} has no __all__")
 
 
 def test_benchmarks_page_is_generated():

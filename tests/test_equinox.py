@@ -4,6 +4,7 @@
 compiles after step 1."""
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -159,3 +160,21 @@ def test_abstract_mesh_no_mesh_and_errors():
     r"jax\.sharding\.Mesh, an AbstractMesh or None \(got str\)",
   ):
     MoE(CFG, key=jax.random.key(0), mesh="mesh")
+
+
+def test_from_params_wraps_given_params():
+  # A module around given parameters (as from a checkpoint) computes what moe_layer does
+  # with them, and keeps the arrays themselves.
+  mesh = make_mesh("auto")
+  params = ms.init_moe_params(jax.random.key(7), CFG, mesh=mesh)
+  moe = MoE.from_params(CFG, params, mesh=mesh)
+  assert moe.mesh == mesh
+  assert all(a is b for a, b in zip(jax.tree.leaves(moe.params), jax.tree.leaves(params)))
+  x_BSD = jax.random.normal(jax.random.key(1), (4, 4, D))
+  np.testing.assert_array_equal(moe(x_BSD)[0], ms.moe_layer(params, x_BSD, CFG, mesh=mesh)[0])
+  bad = dataclasses.replace(params, router_DE=params.router_DE[:, :4])
+  with pytest.raises(
+    ValueError,
+    match=r"^moe_shard\.equinox\.MoE\.from_params: params\.router_DE must have shape \(8, 8\)",
+  ):
+    MoE.from_params(CFG, bad, mesh=mesh)

@@ -29,7 +29,7 @@ from tiny_model import (  # noqa: E402
 )
 
 import moe_shard as ms  # noqa: E402
-from moe_shard.nnx import MoE  # noqa: E402
+from moe_shard.nnx import MoE, RouterBias  # noqa: E402
 
 SCAN_METADATA = {nnx.PARTITION_NAME: None}  # the layer axis is not split
 
@@ -210,3 +210,25 @@ def test_abstract_mesh_no_mesh_and_errors():
     r"axis 'ep'",
   ):
     MoE(dataclasses.replace(CFG, expert_axis="ep"), rngs=nnx.Rngs(0), mesh=mesh)
+
+
+def test_from_params_wraps_given_params():
+  # A module around given parameters (as from a checkpoint) computes what moe_layer does
+  # with them, and keeps the arrays themselves; RouterBias holds the balancing bias.
+  mesh = make_mesh("auto")
+  cfg = dataclasses.replace(CFG, bias_balancing=True)
+  params = ms.init_moe_params(jax.random.key(7), cfg, mesh=mesh)
+  moe = MoE.from_params(cfg, params, mesh=mesh)
+  assert moe.mesh == mesh and moe.experts.gate_EDF.get_value() is params.experts.gate_EDF
+  assert isinstance(moe.router_bias, RouterBias)
+  assert nnx.get_partition_spec(moe.experts.gate_EDF).get_value() == P(ms.EXPERT, None, None)
+  x_BSD = jax.random.normal(jax.random.key(1), (4, 4, D))
+  np.testing.assert_array_equal(moe(x_BSD)[0], ms.moe_layer(params, x_BSD, cfg, mesh=mesh)[0])
+  bad = dataclasses.replace(params, router_DE=params.router_DE[:, :4])
+  with pytest.raises(
+    ValueError,
+    match=r"^moe_shard\.nnx\.MoE\.from_params: params\.router_DE must have shape \(8, 8\)",
+  ):
+    MoE.from_params(cfg, bad, mesh=mesh)
+  with pytest.raises(TypeError, match=r"^moe_shard\.nnx\.MoE\.from_params: params must be"):
+    MoE.from_params(cfg, dict(router_DE=params.router_DE), mesh=mesh)
