@@ -42,6 +42,9 @@ SECTIONS = {
   "tpu_v6e_2x4": "The layer at E=64 compiled for TPU v6e 2x4, an earlier tree",
   "tpu_v6e_2x4_layer": "The layer compiled for TPU v6e 2x4, an earlier tree",
   "tpu_v5e_2x4_deepseek": "A DeepSeek-like layer compiled for TPU v5e 2x4",
+  "tpu_v5p_8x8x4_deepseek_T1M": (
+    "DeepSeek-V3's layer size (T=1M, D=7168, F=2048, E=256, K=8) compiled for TPU v5p 8x8x4"
+  ),
   "tpu_v5e_op_costs": "XLA's TPU cost model on the layer's building blocks",
 }
 
@@ -57,6 +60,11 @@ NOTES = {
   "tpu_v5e_ragged": (
     "The first version of the ragged dispatch: overflow rounds as large as round 0 and "
     "XLA's byte count with each loop body once."
+  ),
+  "tpu_v5p_8x8x4_deepseek_T1M": (
+    "x (28 GiB in float32) is never drawn on the host: the routing the accounting counts is "
+    "sampled one token shard at a time from the distribution of the router's logits "
+    "(`bench.programs.sampled_top_k`). XLA gave no cost estimate of these programs (n/a)."
   ),
 }
 

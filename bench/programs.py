@@ -15,7 +15,8 @@ directly, with one matrix per expert, at kernel level.
 Everything here works on real arrays (CPU/GPU/TPU runs) and on `jax.ShapeDtypeStruct`s
 with shardings (ahead-of-time compiles for a TPU topology): the routing is known on the
 host in both cases (computed here in NumPy, not by the library), so are the trip counts of
-the data-dependent loops (`bench/accounting.py`).
+the data-dependent loops (`bench/accounting.py`). A compile holds no input on the host: past
+`HOST_DRAW_BYTES` of x, its routing is sampled shard by shard (`sampled_top_k`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from jax.sharding import PartitionSpec as P
 import moe_shard as ms
 from bench import common
 from bench.impls import BENCH_IMPLS
+
+# Bytes of x (float32) past which a compile-only case samples its routing (`sampled_top_k`)
+# instead of drawing x on the host.
+HOST_DRAW_BYTES = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +158,12 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
       cfg,
     )
   B = mesh.size
-  x = rng.standard_normal((B, T // B, D), np.float32)
-  x[..., 0] = 1.0  # a constant feature: its router row biases the routing
+  # A compile needs only x's routing: past HOST_DRAW_BYTES it is drawn shard by shard from
+  # the distribution of the logits (`sampled_top_k`), and x is never held.
+  whole = not abstract or T * D * 4 <= HOST_DRAW_BYTES
+  x = rng.standard_normal((B, T // B, D), np.float32) if whole else draw(B, T // B, D)
+  if whole:
+    x[..., 0] = 1.0  # a constant feature: its router row biases the routing
   router = rng.standard_normal((D, E), np.float32) / np.sqrt(D)
   router[0] = np.clip(
     common.routing_log_popularity(routing, E, K, num_devices=N, zipf_s=size.zipf_s, seed=seed),
@@ -173,7 +182,11 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   else:
     params = ms.init_moe_params(jax.random.key(seed), cfg, mesh=mesh)
   params = dataclasses.replace(params, router_DE=put(router, rep, np.float32))
-  experts = host_top_k(x.reshape(T, D), router, K, dtype, size)
+  experts = (
+    host_top_k(x.reshape(T, D), router, K, dtype, size)
+    if whole
+    else sampled_top_k(rng, router, B, T // B, K, size)
+  )
   args = (params, put(x, tok, dtype), put(draw(B, T // B, D), tok, dtype))
   routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * K
   return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg)
@@ -189,6 +202,34 @@ def host_top_k(x_TD, router_DE, k, dtype, size=None):
   to the accounting.
   """
   logits = np.asarray(np.asarray(x_TD).astype(dtype), np.float32) @ np.asarray(router_DE)
+  return _select(logits, k, size)
+
+
+def sampled_top_k(rng, router_DE, num_shards, tokens_per_shard, k, size=None):
+  """The routing `host_top_k` gives an x drawn as `make_case` draws it, sampled without x.
+
+  For x_TD ~ N(0, 1) with feature 0 set to 1, the logits are router[0] + x[:, 1:] @ router[1:].
+  With router[1:] = Q @ S (reduced QR, Q's columns orthonormal), z = x[:, 1:] @ Q has
+  independent N(0, 1) entries, so router[0] + z @ S, z drawn [tokens, min(D - 1, E)], has the
+  logits' distribution at E/D of the draws (x's rounding to its dtype aside). Drawn and
+  selected one token shard at a time, from `rng` after the router.
+
+  Returns:
+    np.int32[num_shards * tokens_per_shard, k], shards in mesh order.
+  """
+  router_DE = np.asarray(router_DE, np.float32)
+  S = np.linalg.qr(router_DE[1:].astype(np.float64), mode="r").astype(np.float32)
+  shards = [
+    _select(
+      router_DE[0] + rng.standard_normal((tokens_per_shard, S.shape[0]), np.float32) @ S, k, size
+    )
+    for _ in range(num_shards)
+  ]
+  return np.concatenate(shards)
+
+
+def _select(logits, k, size):
+  """The top-k selection of `host_top_k` on float32 logits [T, E]."""
   if size is not None and size.num_groups > 1:
     G = size.num_groups
     scores = 1 / (1 + np.exp(-logits)) if size.score_func == "sigmoid" else logits

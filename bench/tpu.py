@@ -14,9 +14,12 @@ from __future__ import annotations
 # "HBM2 capacity and bandwidth 16 GB, 819 GBps", "Bidirectional inter-chip interconnect
 # (ICI) bandwidth (per chip) 400 GBps") and https://cloud.google.com/tpu/docs/v6e
 # ("918 TFLOPs", "HBM bandwidth per chip 1638 GBps", "Bidirectional ICI bandwidth (per
-# chip) 800 GBps").
+# chip) 800 GBps") and https://cloud.google.com/tpu/docs/v5p ("Peak compute per chip (BF16)
+# (TFLOPs) 459", "HBM bandwidth per chip (GBps) 2765", "Bidirectional inter-chip
+# interconnect (ICI) bandwidth per chip (GBps) 1200").
 PEAKS = {
   "v5e": {"flops": 197e12, "hbm": 819e9, "ici": 400e9 / 2},
+  "v5p": {"flops": 459e12, "hbm": 2765e9, "ici": 1200e9 / 2},
   "v6e": {"flops": 918e12, "hbm": 1638e9, "ici": 800e9 / 2},
 }
 

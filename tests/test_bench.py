@@ -534,6 +534,40 @@ def test_deepseek_like_layer_matches_the_reference_and_the_host_routing(mesh8):
   np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_compile_only_case_holds_no_input_on_the_host(mesh8):
+  """A --tpu case of 256 GiB of x: every argument is a ShapeDtypeStruct with its sharding,
+  and the routing is sampled shard by shard (drawing x would raise ArrayMemoryError)."""
+  size = progs.Size(T=2**16, D=2**20, F=32, K=2)
+  case = progs.make_case("layer", 8, "zipf", size, mesh8, abstract=True)
+  leaves = jax.tree.leaves(case.args)
+  assert leaves and all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves)
+  assert all(a.sharding.mesh == mesh8 for a in leaves)
+  assert case.args[1].shape == (8, 2**13, 2**20)
+  assert case.experts_TK.shape == (2**16, 2)
+  assert case.experts_TK.min() >= 0 and case.experts_TK.max() < 8
+  assert np.all(case.experts_TK[:, 0] != case.experts_TK[:, 1])
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_sampled_routing_follows_the_routing_of_drawn_inputs(groups, mesh8, monkeypatch):
+  """Below HOST_DRAW_BYTES a compile routes the x a run draws; past it the sampled routing
+  loads the experts as that one does."""
+  size = progs.Size(
+    T=8192, D=64, F=32, K=4, score_func="sigmoid", num_groups=groups, top_k_groups=min(groups, 2)
+  )
+  drawn = progs.make_case("layer", 16, "zipf", size, mesh8, abstract=True)
+  run = progs.make_case("layer", 16, "zipf", size, mesh8)
+  np.testing.assert_array_equal(drawn.experts_TK, run.experts_TK)
+  monkeypatch.setattr(progs, "HOST_DRAW_BYTES", 0)
+  sampled = progs.make_case("layer", 16, "zipf", size, mesh8, abstract=True)
+  assert not np.array_equal(drawn.experts_TK, sampled.experts_TK)
+  if groups > 1:
+    assert all(len(set(g)) <= 2 for g in sampled.experts_TK // 4)
+  loads = [np.bincount(c.experts_TK.ravel(), minlength=16) / (8192 * 4) for c in (drawn, sampled)]
+  assert loads[0].max() > 0.15  # skewed: E=16, a uniform load is 1/16
+  np.testing.assert_allclose(loads[1], loads[0], atol=0.04)
+
+
 def test_a_program_too_big_for_the_host_is_a_row_not_a_kill():
   # Simulated CPU devices share the host's memory: a program whose buffers, times the
   # devices, would not fit is reported, not run (the kernel would kill the process).
