@@ -419,7 +419,7 @@ def test_auto_axis_mesh():
   assert_close(got, want, jnp.float32)
 
 
-# Found by tests/test_layer_oracle.py (issue 18). Trace only (jax.eval_shape): both fail
+# Found by tests/test_layer_oracle.py. Trace only (jax.eval_shape): both fail
 # while tracing, before any compile. strict: once fixed, these fail until unmarked.
 def test_grad_with_params_not_on_the_explicit_mesh(mesh):
   # The layer places params that are not on an Explicit mesh (as moe_param_specs says):
