@@ -153,14 +153,15 @@ def test_multihost_script_runs_on_two_processes(tmp_path, monkeypatch):
   ]
   try:
     # While they run: the script in this process (8 devices, jax.distributed left out),
-    # for its parameters, config and mesh.
-    monkeypatch.chdir(tmp_path)
+    # for its parameters, config and mesh. It runs in a folder of its own: its train_out.npz
+    # must not race with the one process 0 writes.
+    (tmp_path / "in_process").mkdir()
+    monkeypatch.chdir(tmp_path / "in_process")
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: None)
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
       monkeypatch.setenv(name, "0")
     here = {"__name__": "docs_multihost"}
     exec(compile(script, f"{_name(page)}[multi-host script]", "exec"), here)
-    (tmp_path / "train_out.npz").rename(tmp_path / "one_process.npz")
     outs = [p.communicate(timeout=120)[0] for p in procs]
   finally:
     for p in procs:
