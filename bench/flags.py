@@ -12,10 +12,9 @@ import os
 from bench import LEVELS, MODES, ROUTINGS
 
 PRESETS = {
-  # jit_ragged_dot is left out of the default (XLA replicates its work on every device:
-  # 8x the FLOPs and 3x the time of the next slowest); --impls or --sweep include it.
-  # 5 repeats: with 2, the medians of 8 devices sharing 2 cores moved by up to 30% between
-  # runs (e.g. all_to_all fwd+bwd 1349-2091 ms in one run); the run takes 2.5 min.
+  # jit_ragged_dot is left out of the default (XLA replicates its work on every device, so
+  # it is the slowest by far); --impls or --sweep include it. 5 repeats: 8 simulated
+  # devices share the host's cores, and medians of fewer repeats move between runs.
   "default": dict(
     tokens=8192,
     d_model=512,
