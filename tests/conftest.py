@@ -13,7 +13,18 @@ if os.path.isdir(_TPU_LIBS) and _TPU_LIBS not in sys.path:
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+  _flags += " --xla_force_host_platform_device_count=8"
+# The 8 simulated devices are threads of one process on 2 cores, shared with the other test
+# worker: a device can wait long at a collective's rendezvous for a peer that is not
+# scheduled. XLA:CPU aborts the whole process after 40 s there by default (a CI run lost a
+# worker that way in tests/test_training.py); wait up to 10 minutes instead.
+if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
+  _flags += (
+    " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+    " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
+    " --xla_cpu_collective_timeout_seconds=600"
+  )
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 # The tests run on CPU devices. With libtpu installed (the tpu extra, for the ahead-of-time
 # TPU compile tests) every JAX process would also try to open a TPU and hold libtpu's
