@@ -127,6 +127,30 @@ def expert_axis_field(fn, value):
   return names[0] if len(names) == 1 else tuple(names)
 
 
+SPLIT_AXIS_RULE = "None or a mesh axis name (a non-empty str)"
+
+
+def split_axes_fields(fn, expert_axis, tensor_axis, fsdp_axis):
+  """Checks `expert_tensor_axis` and `expert_fsdp_axis`: None or a name, each axis used by at
+  most one of them and the expert axis (a name or a tuple of names)."""
+  for name, value in (("expert_tensor_axis", tensor_axis), ("expert_fsdp_axis", fsdp_axis)):
+    if value is not None and not (isinstance(value, str) and value):
+      raise _error(TypeError, fn, name, SPLIT_AXIS_RULE, value)
+  experts = (expert_axis,) if isinstance(expert_axis, str) else tuple(expert_axis)
+  given = {"expert_axis": expert_axis}
+  used = {a: "expert_axis" for a in experts}
+  for name, value in (("expert_tensor_axis", tensor_axis), ("expert_fsdp_axis", fsdp_axis)):
+    if value is None:
+      continue
+    if value in used:
+      other = used[value]
+      raise ValueError(
+        f"{fn}: {name} must be an axis that {other} does not use: one mesh axis splits "
+        f"one dimension (got {name}={value!r}, {other}={given[other]!r})"
+      )
+    used[value], given[name] = name, value
+
+
 CHUNK_RULE = "None, an int >= 1 or a pair of ints >= 1"
 
 

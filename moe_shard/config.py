@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from moe_shard import _checks
 from moe_shard.dispatch import DISPATCHES
-from moe_shard.experts import expert_class
+from moe_shard.experts import expert_class, split_dims
 from moe_shard.kernels.grouped_matmul import GMM_CHOICES
 from moe_shard.routing import ROUTERS, SCORE_FUNCS, capacity, check_normalize_p
 from moe_shard.sharding import EXPERT
@@ -142,6 +142,16 @@ class MoEConfig:
     expert_axis: mesh axis the experts are split over (default "expert"), or a tuple of
       axes, e.g. ("data", "expert"): the experts are then split over the product of their
       sizes, in the order given (a list is stored as a tuple, a 1-tuple as its name).
+    expert_tensor_axis: None (default) or a mesh axis over which each routed expert's
+      hidden dimension F is split (expert tensor parallelism): gate and up by columns, down
+      by rows; the shared experts' hidden dimension too (a dense tensor-parallel MLP). Needs
+      an expert type with a hidden dimension (not "linear") and F (and `shared_d_ff`)
+      divisible by the axis size. docs/guides/sharding.md says where the partial sums meet.
+    expert_fsdp_axis: None (default) or a mesh axis over which every D (d_model) dimension
+      of the routed and shared experts' weights is stored split (FSDP of expert weights):
+      all-gathered inside the layer where used, gradients reduce-scattered. D must divide
+      by the axis size. Typically the data axis; never an axis of `expert_axis` or
+      `expert_tensor_axis`.
   """
 
   d_model: int
@@ -176,6 +186,8 @@ class MoEConfig:
   param_dtype: jnp.dtype = jnp.dtype(jnp.float32)
   compute_dtype: jnp.dtype | None = None
   expert_axis: str | tuple[str, ...] = EXPERT
+  expert_tensor_axis: str | None = None
+  expert_fsdp_axis: str | None = None
 
   def __post_init__(self):
     fn = "MoEConfig"
@@ -226,6 +238,7 @@ class MoEConfig:
     if self.compute_dtype is not None:
       put("compute_dtype", _checks.dtype_field(fn, "compute_dtype", self.compute_dtype))
     put("expert_axis", _checks.expert_axis_field(fn, self.expert_axis))
+    _checks.split_axes_fields(fn, self.expert_axis, self.expert_tensor_axis, self.expert_fsdp_axis)
     self._check_expert_fields(fn, put)
 
   def _check_expert_fields(self, fn, put):
@@ -243,6 +256,14 @@ class MoEConfig:
           f"read it (got {getattr(self, name)!r})"
         )
     shapes = cls.param_shapes(self)
+    if self.expert_tensor_axis is not None or self.expert_fsdp_axis is not None:
+      split_dims(fn, shapes)  # raises for an FFN whose leaves do not name their dimensions
+    if self.expert_tensor_axis is not None and split_dims(fn, shapes)[1] == "F":
+      raise ValueError(
+        f"{fn}: expert_tensor_axis needs experts with a hidden dimension F between their "
+        f"input and output matrices; expert_type {label!r} outputs F (got "
+        f"expert_tensor_axis={self.expert_tensor_axis!r})"
+      )
     D = self.d_model
     if (shapes.d_in, shapes.d_out) != (D, D):
       raise ValueError(

@@ -53,7 +53,15 @@ def ragged_dot(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
 def all_gather(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
   """`moe_all_gather` over `cfg.expert_axis`."""
   return parallel.moe_all_gather(
-    x_TD, ffn, experts_TK, weights_TK, mesh=mesh, expert_axis=cfg.expert_axis, gmm_impl=cfg.gmm_impl
+    x_TD,
+    ffn,
+    experts_TK,
+    weights_TK,
+    mesh=mesh,
+    expert_axis=cfg.expert_axis,
+    gmm_impl=cfg.gmm_impl,
+    expert_tensor_axis=cfg.expert_tensor_axis,
+    expert_fsdp_axis=cfg.expert_fsdp_axis,
   ), {}
 
 
@@ -69,6 +77,8 @@ def all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
     chunk_size=cfg.chunk_size,
     return_stats=True,
     gmm_impl=cfg.gmm_impl,
+    expert_tensor_axis=cfg.expert_tensor_axis,
+    expert_fsdp_axis=cfg.expert_fsdp_axis,
   )
 
 
@@ -85,6 +95,8 @@ def ragged_all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
     recv_capacity=cfg.recv_capacity,
     return_stats=True,
     gmm_impl=cfg.gmm_impl,
+    expert_tensor_axis=cfg.expert_tensor_axis,
+    expert_fsdp_axis=cfg.expert_fsdp_axis,
   )
 
 

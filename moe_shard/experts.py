@@ -352,6 +352,65 @@ class GeluMLP(ExpertFFN):
     return _affine(matmul, h_MF.astype(x_MD.dtype), self.down_EFD, self.down_b_ED, MOE_EXPERT_OUT)
 
 
+def shared_experts(shared: Any, x_TD: Float[Array, "T D"]) -> Float[Array, "T D"]:
+  """Sums the shared experts over every token: f32[T, D].
+
+  The leaves of `shared` (a `SwiGLU`) have the shared-expert axis first (written `e` in the
+  einsums): every token goes through every shared expert, and the down projection sums
+  over them.
+  """
+
+  def matmul(x, w):  # [T, D] @ [e, D, F] -> [T, e, F], then [T, e, F] @ [e, F, D] -> [T, D]
+    spec = "td,edf->tef" if x.ndim == 2 else "tef,efd->td"
+    return jnp.einsum(spec, x, w.astype(x_TD.dtype), preferred_element_type=jnp.float32)
+
+  return shared(x_TD, matmul)
+
+
+def split_dims(fn: str, ffn: Any) -> tuple[Any, str]:
+  """The shape letters of an FFN's array leaves, read from their field names.
+
+  What splitting the FFN over mesh axes needs: the letter E (expert), D (model) or F
+  (hidden) of each dimension of each leaf (`expert_tensor_axis` splits every F,
+  `expert_fsdp_axis` every D).
+
+  Args:
+    fn: name of the calling function, for error messages.
+    ffn: an FFN (arrays or `ShapeDtypeStruct`s), a dataclass whose array fields end in one
+      letter per dimension (`gate_EDF`).
+
+  Returns:
+    (letters, output): `letters` has the tree structure of `ffn`, a str per array leaf
+    ("EDF"); `output` is the letter of the FFN's output dimension, the last letter of its
+    last matrix (rank-3) field ("D" for the gated FFNs, "F" for `Linear`).
+
+  Raises:
+    ValueError: `ffn` is not such a dataclass.
+  """
+  fields = _array_fields(ffn) if dataclasses.is_dataclass(ffn) else []
+  letters, matrices = {}, []
+  for f in fields:
+    leaf = getattr(ffn, f.name)
+    if leaf is None:
+      continue
+    suffix = f.name.rsplit("_", 1)[-1]
+    if "_" not in f.name or len(suffix) != len(leaf.shape) or set(suffix) - set(SIZE_FIELDS):
+      raise ValueError(
+        f"{fn}: expert_tensor_axis and expert_fsdp_axis split an FFN's leaves by the "
+        f"letters their field names end in (one of E, D, F per dimension, as `gate_EDF`); "
+        f"{type(ffn).__name__}.{f.name} of shape {tuple(leaf.shape)} has none"
+      )
+    letters[f.name] = suffix
+    if len(suffix) == 3:
+      matrices.append(suffix)
+  if not fields or not matrices:
+    raise ValueError(
+      f"{fn}: expert_tensor_axis and expert_fsdp_axis need an FFN dataclass with matrix "
+      f"fields named by their dimensions, such as SwiGLU (got {type(ffn).__name__})"
+    )
+  return dataclasses.replace(ffn, **letters), matrices[-1][-1]
+
+
 EXPERTS = {
   "linear": Linear,
   "swiglu": SwiGLU,

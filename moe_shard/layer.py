@@ -45,11 +45,12 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from moe_shard import _checks
+from moe_shard import _checks, parallel
 from moe_shard.balance import expert_load, router_z_loss
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.dispatch import choose_impl, get_dispatch
-from moe_shard.params import MoEParams, _check_params, moe_param_specs
+from moe_shard.experts import shared_experts
+from moe_shard.params import MoEParams, _check_params, check_split_axes, moe_param_specs
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
 from moe_shard.sharding import (
@@ -153,20 +154,6 @@ def _token_parallel_router(cfg, mesh, groups_per_device, with_bias):
 # --------------------------------------------------------------------------- layer
 
 
-def shared_experts(shared, x_TD):
-  """Sums the shared SwiGLU experts over every token: f32[T, D].
-
-  The leaves have the shared-expert axis first (written `e` in the einsums): every token
-  goes through every shared expert, and the down projection sums over them.
-  """
-
-  def matmul(x, w):  # [T, D] @ [e, D, F] -> [T, e, F], then [T, e, F] @ [e, F, D] -> [T, D]
-    spec = "td,edf->tef" if x.ndim == 2 else "tef,efd->td"
-    return jnp.einsum(spec, x, w.astype(x_TD.dtype), preferred_element_type=jnp.float32)
-
-  return shared(x_TD, matmul)
-
-
 def input_weighted_items(
   x_TD: Float[Array, "T D"], experts_TK: Int[Array, "T K"], weights_TK: Float[Array, "T K"]
 ) -> tuple[Float[Array, "I D"], Int[Array, "I 1"], Float[Array, "I 1"]]:
@@ -260,6 +247,7 @@ def moe_layer(
     )
   _check_params(fn, params, cfg)
   mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+  check_split_axes(fn, cfg, mesh)
   impl = choose_impl(cfg, mesh)
   dispatch = get_dispatch(impl)
   if mesh is None and dispatch.needs_mesh:
@@ -320,7 +308,17 @@ def moe_layer(
     y_TD = checkpoint_name(like(y_TD.astype(jnp.float32), x_TD), MOE_DISPATCH_OUT)
   if params.shared is not None:
     with jax.named_scope("shared_experts"):
-      shared_TD = shared_experts(params.shared, x_TD.astype(compute_dtype))
+      split = (cfg.expert_tensor_axis, cfg.expert_fsdp_axis) != (None, None)
+      if mesh is not None and split and T % mesh.size == 0:  # explicit collectives
+        shared_TD = parallel.shared_mlp(
+          params.shared,
+          x_TD.astype(compute_dtype),
+          mesh=mesh,
+          tensor_axis=cfg.expert_tensor_axis,
+          fsdp_axis=cfg.expert_fsdp_axis,
+        )
+      else:  # XLA shards it as it likes
+        shared_TD = shared_experts(params.shared, x_TD.astype(compute_dtype))
       if params.shared_gate_D is not None:  # one gate per token on the shared experts' sum
         gate_D = params.shared_gate_D.astype(jnp.float32)
         gate_T = jax.nn.sigmoid(jnp.einsum("td,d->t", x_TD.astype(jnp.float32), gate_D))

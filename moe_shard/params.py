@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from moe_shard import _checks
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.experts import ExpertFFN, SwiGLU
+from moe_shard.parallel.common import split_specs
 from moe_shard.sharding import is_concrete, resolve_mesh, tracing
 
 
@@ -95,8 +96,11 @@ def moe_param_shapes(cfg: MoEConfig) -> MoEParams:
 def moe_param_specs(cfg: MoEConfig) -> MoEParams:
   """Returns the `PartitionSpec` of every parameter, as a `MoEParams`.
 
-  Expert weights are split over `cfg.expert_axis` on their first (expert) axis; the router,
-  the shared experts, the router biases and the shared gate are replicated. Each spec has
+  Expert weights are split over `cfg.expert_axis` on their first (expert) axis; with
+  `cfg.expert_tensor_axis`, every F (hidden) dimension of the routed and shared experts is
+  split over it (gate and up by columns, down by rows, the input biases); with
+  `cfg.expert_fsdp_axis`, every D dimension of theirs (`P("expert", "data", "tensor")` for
+  a gate). The router, the router biases and the shared gate are replicated. Each spec has
   one entry per array dimension (`P("expert", None, None)`, `P(None, None)`, `P(None)`), as
   Flax's partition metadata needs. For a stack of layers (a leading layer axis), prepend
   None: `jax.tree.map(lambda s: P(None, *s), specs)`.
@@ -113,14 +117,40 @@ def moe_param_specs(cfg: MoEConfig) -> MoEParams:
   def spec(s, first=None) -> Any:  # a PartitionSpec where MoEParams holds an array
     return P(first, *[None] * (len(s.shape) - 1))
 
+  tp, fsdp = cfg.expert_tensor_axis, cfg.expert_fsdp_axis
   return MoEParams(
     router_DE=spec(shapes.router_DE),
-    experts=jax.tree.map(lambda s: spec(s, cfg.expert_axis), shapes.experts),
-    shared=jax.tree.map(spec, shapes.shared),
+    experts=split_specs(shapes.experts, cfg.expert_axis, tp, fsdp),
+    shared=None if shapes.shared is None else split_specs(shapes.shared, None, tp, fsdp),
     router_bias=jax.tree.map(spec, shapes.router_bias),
     router_logit_bias=jax.tree.map(spec, shapes.router_logit_bias),
     shared_gate_D=jax.tree.map(spec, shapes.shared_gate_D),
   )
+
+
+def check_split_axes(fn: str, cfg: MoEConfig, mesh: Mesh | AbstractMesh | None) -> None:
+  """Raises unless `cfg.expert_tensor_axis` and `cfg.expert_fsdp_axis` are axes of `mesh`
+  whose sizes divide what they split: F (`d_ff`, and `shared_d_ff` with shared experts) for
+  the tensor axis, D for the FSDP axis. Nothing to check without a mesh (nothing is split).
+  """
+  if mesh is None:
+    return
+  splits = (
+    ("expert_tensor_axis", cfg.expert_tensor_axis, [("d_ff", cfg.d_ff)]),
+    ("expert_fsdp_axis", cfg.expert_fsdp_axis, [("d_model", cfg.d_model)]),
+  )
+  if cfg.num_shared_experts:
+    splits[0][2].append(("shared_d_ff", cfg.shared_hidden))
+  for field, axis, sizes in splits:
+    if axis is None:
+      continue
+    if axis not in mesh.axis_names:
+      raise ValueError(
+        f"{fn}: {field} must be an axis of the mesh (got {axis!r}; mesh axes "
+        f"{tuple(mesh.axis_names)})"
+      )
+    for name, n in sizes:
+      _checks.divisible(fn, name, n, f"the size of {field} {axis!r}", mesh.shape[axis])
 
 
 def init_moe_params(
@@ -156,6 +186,7 @@ def init_moe_params(
   fn = "init_moe_params"
   check_config(fn, cfg)
   mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+  check_split_axes(fn, cfg, mesh)
   if mesh is not None and not is_concrete(mesh) and not tracing():
     raise ValueError(
       f"{fn}: mesh must be a concrete jax.sharding.Mesh to create arrays "
@@ -177,6 +208,8 @@ def init_moe_params(
     shared_d_ff=cfg.shared_d_ff,
     param_dtype=cfg.param_dtype,
     expert_axis=cfg.expert_axis,
+    expert_tensor_axis=cfg.expert_tensor_axis,
+    expert_fsdp_axis=cfg.expert_fsdp_axis,
     bias_balancing=cfg.bias_balancing,
     router_logit_bias=cfg.router_logit_bias,
     shared_expert_gate=cfg.shared_expert_gate,

@@ -13,12 +13,20 @@ serves its own tokens with the E experts split L = E / N per device.
     queue exactly (an emulation from padded `all_to_all`s on CPU); rounds only when a
     receive buffer overflows.
 
-Modules: `common.py` (the layout of a call and its input checks and placement),
-`all_gather.py`, `all_to_all.py`, `ragged.py` (one dispatch each).
+With `expert_tensor_axis` each expert's hidden dimension F is also split over that axis
+(the rows a device computes are gathered over it and the partial outputs reduce-scattered),
+and with `expert_fsdp_axis` every D dimension of the weights is stored split over that axis
+(gathered once per call); `shared_mlp` runs the shared experts the same way, as a dense
+tensor-parallel MLP.
+
+Modules: `common.py` (the layout of a call, its input checks and placement, and the
+weight-splitting steps every dispatch shares), `all_gather.py`, `all_to_all.py`,
+`ragged.py` (one dispatch each), `dense.py` (the shared experts).
 """
 
 from moe_shard.parallel.all_gather import moe_all_gather
 from moe_shard.parallel.all_to_all import OVERFLOW_SCOPE, moe_all_to_all
+from moe_shard.parallel.dense import shared_mlp
 from moe_shard.parallel.ragged import (
   RAGGED_PLATFORMS,
   RAGGED_SCOPE,
@@ -34,4 +42,5 @@ __all__ = [
   "moe_all_to_all",
   "moe_ragged_all_to_all",
   "ragged_all_to_all_emulated",
+  "shared_mlp",
 ]

@@ -11,9 +11,9 @@ from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks, local
 from moe_shard.experts import ExpertFFN
-from moe_shard.parallel.common import _prepare, shard_map
+from moe_shard.parallel.common import _prepare, gather_weights, output_once, shard_map
 from moe_shard.remat import MOE_DISPATCH_RECV
-from moe_shard.sharding import EXPERT, resolve_mesh, trim, vary_over
+from moe_shard.sharding import EXPERT, expert_axes, resolve_mesh, trim, vary_over
 
 # --------------------------------------------------------------------------- all_gather
 
@@ -27,6 +27,8 @@ def moe_all_gather(
   mesh: Mesh | AbstractMesh | None = None,
   expert_axis: str | tuple[str, ...] = EXPERT,
   gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> Float[Array, "T F"]:
   """Expert-parallel MoE: all_gather tokens, compute local experts, reduce-scatter.
 
@@ -48,6 +50,11 @@ def moe_all_gather(
     expert_axis: name of the mesh axis experts are split over (default "expert"), or a
       tuple of names: experts split over the product of their sizes, in the order given.
     gmm_impl: `grouped_matmul` implementation (default "auto").
+    expert_tensor_axis: None (default) or a mesh axis splitting every F (hidden) dimension
+      of `w` (`MoEConfig.expert_tensor_axis`): the tokens are gathered over the expert axis
+      and this one, and the partial outputs reduce-scattered over both in one collective.
+    expert_fsdp_axis: None (default) or a mesh axis splitting every D dimension of `w`
+      (`MoEConfig.expert_fsdp_axis`): all-gathered once per call.
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`, split over the mesh like the tokens.
@@ -59,21 +66,33 @@ def moe_all_gather(
   expert_axis = _checks.expert_axis_field("moe_all_gather", expert_axis)
   mesh = resolve_mesh("moe_all_gather", mesh, expert_axis, required=True)
   return _all_gather_jit(
-    x_TD, w, experts, weights, mesh=mesh, expert_axis=expert_axis, gmm_impl=gmm_impl
+    x_TD,
+    w,
+    experts,
+    weights,
+    mesh=mesh,
+    expert_axis=expert_axis,
+    gmm_impl=gmm_impl,
+    tensor_axis=expert_tensor_axis,
+    fsdp_axis=expert_fsdp_axis,
   )
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "expert_axis", "gmm_impl"))
-def _all_gather_jit(x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl):
+@functools.partial(
+  jax.jit, static_argnames=("mesh", "expert_axis", "gmm_impl", "tensor_axis", "fsdp_axis")
+)
+def _all_gather_jit(
+  x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl, tensor_axis, fsdp_axis
+):
   # Jitted so that a call outside jit does not run the shard_map body op by op.
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
-    "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis
+    "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis, tensor_axis, fsdp_axis
   )
   body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
   tok = lay.token_spec
-  y_TF = shard_map(
-    body, mesh, in_specs=(tok, jax.tree.map(lambda _: lay.ffn_spec, ffn), tok, tok), out_specs=tok
-  )(x_TD, ffn, experts_TK, weights_TK)
+  y_TF = shard_map(body, mesh, in_specs=(tok, lay.ffn_specs(ffn), tok, tok), out_specs=tok)(
+    x_TD, ffn, experts_TK, weights_TK
+  )
   return trim(y_TF, mesh, lay.tokens)
 
 
@@ -81,17 +100,22 @@ def _all_gather_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, gmm_impl):
   # Per-device sizes: T tokens of this device, L = E / N local experts.
   axis = lay.expert_axis
   L = lay.num_experts // lay.n
-  ffn_L = vary_over(ffn_L, lay.other_axes)
-  # Every device receives the tokens, ids and weights of all N devices on its expert axis.
+  ffn_L = vary_over(
+    output_once(gather_weights(ffn_L, lay.fsdp_axis), lay.tensor_axis), lay.other_axes
+  )
+  # Every device receives the tokens, ids and weights of all N devices on its expert axis
+  # (and on its tensor axis: each holds a slice of F of its experts, for every token).
+  axes = expert_axes(axis) + ((lay.tensor_axis,) if lay.tensor_axis else ())
   with jax.named_scope("all_gather"):
     x_MD, experts_MK, weights_MK = (
-      jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x_TD, experts_TK, weights_TK)
+      jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x_TD, experts_TK, weights_TK)
     )
     x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
   with jax.named_scope("local_experts"):
     local_MK = experts_MK - jax.lax.axis_index(axis) * L  # outside [0, L): not ours, zero
     y_MF = local.ragged_combine(x_MD, ffn_L, L, local_MK, weights_MK, gmm_impl)
-  # Each device receives, summed over the N devices, the partial outputs of its own tokens.
+  # Each device receives, summed over the N (x tensor) devices, the partial outputs of its
+  # own tokens.
   with jax.named_scope("reduce_scatter"):
-    y_TF = jax.lax.psum_scatter(y_MF.astype(x_TD.dtype), axis, scatter_dimension=0, tiled=True)
+    y_TF = jax.lax.psum_scatter(y_MF.astype(x_TD.dtype), axes, scatter_dimension=0, tiled=True)
   return y_TF

@@ -8,7 +8,6 @@ from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
@@ -16,9 +15,14 @@ from jaxtyping import Array, Float, Int
 from moe_shard import _checks, local
 from moe_shard import plan as plan_lib
 from moe_shard.balance import expert_load
-from moe_shard.experts import ExpertFFN, GroupedMatmul
-from moe_shard.parallel.common import _prepare, run_on_mesh
-from moe_shard.remat import MOE_DISPATCH_RECV
+from moe_shard.experts import ExpertFFN
+from moe_shard.parallel.common import (
+  _prepare,
+  gather_weights,
+  local_experts,
+  output_once,
+  run_on_mesh,
+)
 from moe_shard.sharding import EXPERT, axis_size, fori_while, resolve_mesh, vary_over
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
@@ -39,6 +43,8 @@ def moe_all_to_all(
   chunk_size: int | tuple[int, int] | None = None,
   return_stats: Literal[False] = False,
   gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> Float[Array, "T F"]: ...
 @overload
 def moe_all_to_all(
@@ -52,6 +58,8 @@ def moe_all_to_all(
   chunk_size: int | tuple[int, int] | None = None,
   return_stats: Literal[True],
   gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> tuple[Float[Array, "T F"], dict[str, Any]]: ...
 def moe_all_to_all(
   x_TD: Float[Array, "T D"],
@@ -64,6 +72,8 @@ def moe_all_to_all(
   chunk_size: int | tuple[int, int] | None = None,
   return_stats: bool = False,
   gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> Float[Array, "T F"] | tuple[Float[Array, "T F"], dict[str, Any]]:
   """Expert-parallel MoE: dropless chunked all_to_all dispatch, compute, and return.
 
@@ -100,6 +110,11 @@ def moe_all_to_all(
       (C_first, C_overflow) sets both.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
+    expert_tensor_axis: None (default) or a mesh axis splitting every F (hidden) dimension
+      of `w` (`MoEConfig.expert_tensor_axis`): the rows a device receives are all-gathered
+      over it, and the partial outputs reduce-scattered before the return trip.
+    expert_fsdp_axis: None (default) or a mesh axis splitting every D dimension of `w`
+      (`MoEConfig.expert_fsdp_axis`): all-gathered once per call, before the rounds.
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats
@@ -124,6 +139,8 @@ def moe_all_to_all(
     chunk_size=chunk_size,
     return_stats=bool(return_stats),
     gmm_impl=gmm_impl,
+    tensor_axis=expert_tensor_axis,
+    fsdp_axis=expert_fsdp_axis,
   )
   if not return_stats:
     return out
@@ -134,14 +151,34 @@ def moe_all_to_all(
 
 
 @functools.partial(
-  jax.jit, static_argnames=("mesh", "expert_axis", "chunk_size", "return_stats", "gmm_impl")
+  jax.jit,
+  static_argnames=(
+    "mesh",
+    "expert_axis",
+    "chunk_size",
+    "return_stats",
+    "gmm_impl",
+    "tensor_axis",
+    "fsdp_axis",
+  ),
 )
 def _all_to_all_jit(
-  x_TD, w, experts, weights, *, mesh, expert_axis, chunk_size, return_stats, gmm_impl
+  x_TD,
+  w,
+  experts,
+  weights,
+  *,
+  mesh,
+  expert_axis,
+  chunk_size,
+  return_stats,
+  gmm_impl,
+  tensor_axis,
+  fsdp_axis,
 ):
   # Jitted so that a call outside jit does not run the shard_map body op by op.
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
-    "moe_all_to_all", x_TD, w, experts, weights, mesh, expert_axis
+    "moe_all_to_all", x_TD, w, experts, weights, mesh, expert_axis, tensor_axis, fsdp_axis
   )
   chunks = plan_lib.default_chunks(lay.padded // mesh.size, experts_TK.shape[1], lay.n, chunk_size)
   body = functools.partial(_all_to_all_body, lay=lay, chunks=chunks, gmm_impl=gmm_impl)
@@ -159,17 +196,20 @@ class _A2A:
   local_experts: int  # L
   chunks: plan_lib.Chunks
   gmm_impl: str
+  tensor_axis: str | None  # expert tensor parallelism (`local_experts`)
 
 
 def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_impl):
   # Per-device sizes: T tokens of this device, K slots, L = E / N local experts.
-  cfg = _A2A(lay.expert_axis, lay.n, lay.num_experts // lay.n, chunks, gmm_impl)
+  cfg = _A2A(lay.expert_axis, lay.n, lay.num_experts // lay.n, chunks, gmm_impl, lay.tensor_axis)
   with jax.named_scope("plan"):
     plan = plan_lib.send_plan(experts_TK, lay.num_experts, lay.n)
     local_I = experts_TK.reshape(-1) % cfg.local_experts  # local expert id at the receiver
     # Every device runs as many rounds as the busiest queue on the whole mesh needs.
     rounds = chunks.rounds(jax.lax.pmax(jnp.max(plan.count_N), lay.all_axes))
-  ffn_L = vary_over(ffn_L, lay.other_axes)
+  ffn_L = vary_over(
+    output_once(gather_weights(ffn_L, lay.fsdp_axis), lay.tensor_axis), lay.other_axes
+  )
   y_TF = _rounds(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
   sent = jnp.sum(plan.count_N)
   stats = dict(
@@ -210,7 +250,14 @@ def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
     recv_NCD = jax.lax.all_to_all(send_NCD, cfg.axis, 0, 0, tiled=True)
     rids_NC = jax.lax.all_to_all(ids_NC, cfg.axis, 0, 0, tiled=True)
   with jax.named_scope("local_experts"):
-    out_NCF = _local_experts(cfg, recv_NCD.reshape(N * C, -1), rids_NC.reshape(-1), ffn_L)
+    out_NCF = local_experts(
+      recv_NCD.reshape(N * C, -1),
+      rids_NC.reshape(-1),
+      ffn_L,
+      cfg.local_experts,
+      cfg.gmm_impl,
+      cfg.tensor_axis,
+    )
     out_NCF = out_NCF.reshape(N, C, -1).astype(x_TD.dtype)
   # Each device returns the outputs to the devices the items came from.
   with jax.named_scope("return"):
@@ -218,20 +265,6 @@ def _round(cfg, x_TD, ffn_L, weights_TK, slots_NC, local_I):
   with jax.named_scope("combine"):
     # Each item's output (items of other rounds: none), weighted and summed over K.
     return local.rows_to_tokens(back_NCF.reshape(N * C, -1), index, weights_TK)
-
-
-def _local_experts(cfg, x_MD, ids_M, ffn_L):
-  """Runs the L local experts on received rows (id L = padding, gives zeros); [M, F] in the
-  dtype of x (products accumulate in float32)."""
-  x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
-  order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, cfg.local_experts)
-  rank_M = local.inverse_permutation(order_M)
-  matmul = GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_MD.dtype)
-  # Sorted even for one local expert: padding rows go last, past the group, and
-  # XLA:TPU's ragged-dot backward fails to compile when its one group is all M rows
-  # (RET_CHECK in mask_aggregator.cc, libtpu 0.0.42.1).
-  y_MF = ffn_L(local.move_rows(x_MD, rank_M, order_M), matmul)
-  return local.move_rows(y_MF, order_M, rank_M)
 
 
 def _loop_overflow(cfg, plan, rounds, step, acc):

@@ -6,9 +6,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from moe_shard import local
+from moe_shard import _checks, local
+from moe_shard.experts import GroupedMatmul, split_dims
+from moe_shard.remat import MOE_DISPATCH_RECV
 from moe_shard.sharding import axis_size, check_mesh, expert_axes, place, token_spec, trim
 
 
@@ -21,6 +24,8 @@ class _Layout:
   num_experts: int  # E
   tokens: int  # T before padding
   padded: int  # T after padding to a multiple of the device count
+  tensor_axis: str | None = None  # each expert's F split over it (expert tensor parallelism)
+  fsdp_axis: str | None = None  # every D of the expert weights stored split over it
 
   @property
   def all_axes(self):
@@ -28,37 +33,141 @@ class _Layout:
 
   @property
   def other_axes(self):
-    """Axes other than the expert axes, of size > 1: the expert weights are replicated over
-    them, so their gradients are summed there (over an axis of size 1 there is nothing to
-    sum)."""
-    return tuple(
-      a
-      for a in self.mesh.axis_names
-      if a not in expert_axes(self.expert_axis) and self.mesh.shape[a] > 1
-    )
+    """Axes that split no weight, of size > 1: the expert weights are replicated over them,
+    so their gradients are summed there (over an axis of size 1 there is nothing to sum)."""
+    split = expert_axes(self.expert_axis) + (self.tensor_axis, self.fsdp_axis)
+    return tuple(a for a in self.mesh.axis_names if a not in split and self.mesh.shape[a] > 1)
 
   @property
   def n(self):
     return axis_size(self.mesh, self.expert_axis)
 
-  @property
-  def ffn_spec(self):
-    """shard_map spec of an expert weight: split over the expert axes, then over the other
-    axes of size 1. Naming those changes no layout, but shard_map (with check_vma off)
-    transposes a replicated input into a psum over the axes its spec leaves out: one
-    all-reduce copying every weight gradient even over an axis of size 1."""
+  def ffn_specs(self, ffn):
+    """shard_map specs of the expert weights (a pytree like `ffn`): axis 0 split over the
+    expert axes, then over the other axes of size 1; every F over the tensor axis and every
+    D over the FSDP axis (`split_specs`). Naming the size-1 axes changes no layout, but
+    shard_map (with check_vma off) transposes a replicated input into a psum over the axes
+    its spec leaves out: one all-reduce copying every weight gradient even over an axis of
+    size 1."""
     split = expert_axes(self.expert_axis)
-    return P(split + tuple(a for a in self.mesh.axis_names if a not in split + self.other_axes))
+    first = split + tuple(
+      a
+      for a in self.mesh.axis_names
+      if a not in split + self.other_axes + (self.tensor_axis, self.fsdp_axis)
+    )
+    return split_specs(ffn, first, self.tensor_axis, self.fsdp_axis)
 
   @property
   def token_spec(self):
     return token_spec(self.mesh)
 
 
-def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
+def split_specs(ffn, first, tensor_axis, fsdp_axis):
+  """`PartitionSpec`s of an FFN's leaves (a pytree like `ffn`): axis 0 over `first`, every F
+  (hidden) dimension over `tensor_axis`, every D (model) dimension over `fsdp_axis`."""
+  if tensor_axis is None and fsdp_axis is None:
+    return jax.tree.map(lambda a: P(first, *[None] * (len(a.shape) - 1)), ffn)
+  over = {"F": tensor_axis, "D": fsdp_axis}
+  letters, _ = split_dims("split_specs", ffn)
+  return jax.tree.map(lambda ls: P(first, *[over.get(c) for c in ls[1:]]), letters)
+
+
+def check_split(fn, mesh, ffn, tensor_axis, fsdp_axis):
+  """Raises unless each split axis is a mesh axis whose size divides every dimension it
+  splits (F for `tensor_axis`, D for `fsdp_axis`) of every leaf of `ffn`."""
+  if tensor_axis is None and fsdp_axis is None:
+    return
+  letters, output = split_dims(fn, ffn)
+  if tensor_axis is not None and output == "F":
+    raise ValueError(
+      f"{fn}: expert_tensor_axis needs experts with a hidden dimension F between their "
+      f"input and output matrices; {type(ffn).__name__} outputs F "
+      f"(got expert_tensor_axis={tensor_axis!r})"
+    )
+  for field, axis, letter in (
+    ("expert_tensor_axis", tensor_axis, "F"),
+    ("expert_fsdp_axis", fsdp_axis, "D"),
+  ):
+    if axis is None:
+      continue
+    if axis not in mesh.axis_names:
+      raise ValueError(
+        f"{fn}: {field} must be an axis of the mesh (got {axis!r}; mesh axes "
+        f"{tuple(mesh.axis_names)})"
+      )
+    size = mesh.shape[axis]
+    for (path, leaf), ls in zip(jax.tree_util.tree_leaves_with_path(ffn), jax.tree.leaves(letters)):
+      for c, n in zip(ls, leaf.shape):
+        if c == letter and n % size:
+          raise ValueError(
+            f"{fn}: the {letter} dimension of w{jax.tree_util.keystr(path)} ({n}) must "
+            f"be divisible by the size of {field} {axis!r} ({size})"
+          )
+
+
+def gather_weights(ffn, fsdp_axis):
+  """FSDP: every D dimension of the weights all-gathered over `fsdp_axis`, once per call
+  (its transpose reduce-scatters the gradients); `ffn` itself for None."""
+  if fsdp_axis is None:
+    return ffn
+  letters, _ = split_dims("gather_weights", ffn)
+
+  def gather(a, ls):
+    for i, c in enumerate(ls):
+      if c == "D":
+        a = jax.lax.all_gather(a, fsdp_axis, axis=i, tiled=True)
+    return a
+
+  with jax.named_scope("fsdp_gather"):
+    return jax.tree.map(gather, ffn, letters)
+
+
+def output_once(ffn, tensor_axis):
+  """Expert tensor parallelism: the leaves without an F dimension (the output bias) kept on
+  tensor rank 0 and zero on the others, so that the reduce-scatter of the partial outputs
+  adds them once; `ffn` itself for None."""
+  if tensor_axis is None:
+    return ffn
+  letters, _ = split_dims("output_once", ffn)
+  first = jax.lax.axis_index(tensor_axis) == 0
+  return jax.tree.map(
+    lambda a, ls: a if "F" in ls else jnp.where(first, a, jnp.zeros_like(a)), ffn, letters
+  )
+
+
+def local_experts(x_MD, ids_M, ffn_L, num_local, gmm_impl, tensor_axis=None):
+  """Runs the L local experts on received rows, each with its local expert id (L: padding,
+  zeros out): f[M, out] in the dtype of x (products accumulate in float32).
+
+  With a tensor axis (M' devices), each device holds every local expert's F / M' hidden
+  columns: the rows of the M' devices are all-gathered, each device computes their partial
+  outputs, and a reduce-scatter sums them and hands each device back its own rows. The sum
+  happens before the return trip, so each device sends back M rows, not M' * M partial ones
+  (docs/guides/sharding.md has the bytes).
+  """
+  x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
+  if tensor_axis is not None:
+    with jax.named_scope("tensor_gather"):
+      x_MD, ids_M = (jax.lax.all_gather(a, tensor_axis, axis=0, tiled=True) for a in (x_MD, ids_M))
+  order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, num_local)
+  rank_M = local.inverse_permutation(order_M)
+  matmul = GroupedMatmul(group_sizes_L, gmm_impl, x_MD.dtype)
+  # Sorted even for one local expert: padding rows go last, past the group, and
+  # XLA:TPU's ragged-dot backward fails to compile when its one group is all M rows
+  # (RET_CHECK in mask_aggregator.cc, libtpu 0.0.42.1).
+  y_MF = local.move_rows(ffn_L(local.move_rows(x_MD, rank_M, order_M), matmul), order_M, rank_M)
+  if tensor_axis is not None:
+    with jax.named_scope("tensor_reduce_scatter"):
+      y_MF = jax.lax.psum_scatter(y_MF, tensor_axis, scatter_dimension=0, tiled=True)
+  return y_MF
+
+
+def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis, tensor_axis=None, fsdp_axis=None):
   """Checks, pads T to a multiple of the device count and places the inputs on the mesh."""
   x_TD, ffn, E, experts_TK, weights_TK = local.check_moe_inputs(fn, x_TD, w, experts, weights)
   check_mesh(fn, mesh, expert_axis, E)
+  _checks.split_axes_fields(fn, expert_axis, tensor_axis, fsdp_axis)
+  check_split(fn, mesh, ffn, tensor_axis, fsdp_axis)
   T = x_TD.shape[0]
   pad = -T % mesh.size
   if pad:  # padding tokens route nowhere (id -1) and are trimmed from the output
@@ -67,11 +176,11 @@ def _prepare(fn, x_TD, w, experts, weights, mesh, expert_axis):
     x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
     experts_TK = jnp.pad(experts_TK, ((0, pad), (0, 0)), constant_values=-1)
     weights_TK = jnp.pad(weights_TK, ((0, pad), (0, 0)))
-  lay = _Layout(mesh, expert_axis, E, T, T + pad)
+  lay = _Layout(mesh, expert_axis, E, T, T + pad, tensor_axis, fsdp_axis)
   x_TD, experts_TK, weights_TK = (
     place(a, mesh, lay.token_spec) for a in (x_TD, experts_TK, weights_TK)
   )
-  ffn = jax.tree.map(lambda leaf: place(leaf, mesh, lay.ffn_spec), ffn)
+  ffn = jax.tree.map(lambda leaf, spec: place(leaf, mesh, spec), ffn, lay.ffn_specs(ffn))
   return lay, x_TD, ffn, experts_TK, weights_TK
 
 
@@ -103,7 +212,7 @@ def run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, retur
   y_TF, stats = shard_map(
     body,
     lay.mesh,
-    in_specs=(tok, jax.tree.map(lambda _: lay.ffn_spec, ffn), tok, tok),
+    in_specs=(tok, lay.ffn_specs(ffn), tok, tok),
     out_specs=(tok, stats_specs),
   )(x_TD, ffn, experts_TK, weights_TK)
   y_TF = trim(y_TF, lay.mesh, lay.tokens)

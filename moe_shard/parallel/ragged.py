@@ -15,7 +15,13 @@ from jaxtyping import Array, Float, Int
 from moe_shard import _checks, local
 from moe_shard import plan as plan_lib
 from moe_shard.experts import ExpertFFN, GroupedMatmul
-from moe_shard.parallel.common import _prepare, run_on_mesh
+from moe_shard.parallel.common import (
+  _prepare,
+  gather_weights,
+  local_experts,
+  output_once,
+  run_on_mesh,
+)
 from moe_shard.sharding import EXPERT, fori_while, resolve_mesh, vary_over, zeros_varying
 
 # --------------------------------------------------------------------------- ragged_all_to_all
@@ -130,6 +136,8 @@ def moe_ragged_all_to_all(
   recv_capacity: int | None = None,
   return_stats: Literal[False] = False,
   gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> Float[Array, "T F"]: ...
 @overload
 def moe_ragged_all_to_all(
@@ -143,6 +151,8 @@ def moe_ragged_all_to_all(
   recv_capacity: int | None = None,
   return_stats: Literal[True],
   gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> tuple[Float[Array, "T F"], dict[str, Any]]: ...
 def moe_ragged_all_to_all(
   x_TD: Float[Array, "T D"],
@@ -155,6 +165,8 @@ def moe_ragged_all_to_all(
   recv_capacity: int | None = None,
   return_stats: bool = False,
   gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> Float[Array, "T F"] | tuple[Float[Array, "T F"], dict[str, Any]]:
   """Expert-parallel MoE: dropless `ragged_all_to_all` dispatch, compute, and return.
 
@@ -196,6 +208,11 @@ def moe_ragged_all_to_all(
       (`plan.default_capacity`); an int C >= 1: C in every round.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
+    expert_tensor_axis: None (default) or a mesh axis splitting every F (hidden) dimension
+      of `w` (`MoEConfig.expert_tensor_axis`): the rows a device receives are all-gathered
+      over it, and the partial outputs reduce-scattered before the return trip.
+    expert_fsdp_axis: None (default) or a mesh axis splitting every D dimension of `w`
+      (`MoEConfig.expert_fsdp_axis`): all-gathered once per call, before the rounds.
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats
@@ -223,6 +240,8 @@ def moe_ragged_all_to_all(
     recv_capacity=recv_capacity,
     return_stats=bool(return_stats),
     gmm_impl=gmm_impl,
+    tensor_axis=expert_tensor_axis,
+    fsdp_axis=expert_fsdp_axis,
   )
   if not return_stats:
     return out
@@ -233,13 +252,33 @@ def moe_ragged_all_to_all(
 
 
 @functools.partial(
-  jax.jit, static_argnames=("mesh", "expert_axis", "recv_capacity", "return_stats", "gmm_impl")
+  jax.jit,
+  static_argnames=(
+    "mesh",
+    "expert_axis",
+    "recv_capacity",
+    "return_stats",
+    "gmm_impl",
+    "tensor_axis",
+    "fsdp_axis",
+  ),
 )
 def _ragged_jit(
-  x_TD, w, experts, weights, *, mesh, expert_axis, recv_capacity, return_stats, gmm_impl
+  x_TD,
+  w,
+  experts,
+  weights,
+  *,
+  mesh,
+  expert_axis,
+  recv_capacity,
+  return_stats,
+  gmm_impl,
+  tensor_axis,
+  fsdp_axis,
 ):
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
-    "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis
+    "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis, tensor_axis, fsdp_axis
   )
   K = experts_TK.shape[1]
   rows = plan_lib.default_capacity(lay.padded // mesh.size, K, recv_capacity)
@@ -259,6 +298,7 @@ class _Ragged:
   local_experts: int  # L
   rows: plan_lib.Chunks  # receive-buffer rows of round 0, and of each later round
   gmm_impl: str
+  tensor_axis: str | None  # expert tensor parallelism (`local_experts`)
 
 
 @jax.tree_util.register_dataclass
@@ -287,7 +327,7 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
   # Per-device sizes: T tokens of this device, K slots, I = T*K items, L local experts,
   # N (= S) devices on the expert axis, C rows of a receive buffer.
   axis, N = lay.expert_axis, lay.n
-  cfg = _Ragged(axis, lay.num_experts // N, rows, gmm_impl)
+  cfg = _Ragged(axis, lay.num_experts // N, rows, gmm_impl, lay.tensor_axis)
   T, K = experts_TK.shape
   with jax.named_scope("plan"):
     order_I, load_E, valid_I = local.sort_by_expert(experts_TK.reshape(-1), lay.num_experts)
@@ -303,7 +343,9 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
     # Every device runs as many rounds as the fullest receive order on the mesh needs.
     received = jnp.sum(recv_SL)
     rounds = rows.rounds(jax.lax.pmax(received, lay.all_axes))
-  ffn_L = vary_over(ffn_L, lay.other_axes)
+  ffn_L = vary_over(
+    output_once(gather_weights(ffn_L, lay.fsdp_axis), lay.tensor_axis), lay.other_axes
+  )
   with jax.named_scope("permute"):
     # Sorted by (destination, expert), invalid items last; moved by scatters both ways.
     x_ID, index = local.items_to_rows(x_TD, order_I, K)
@@ -356,8 +398,15 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
   with jax.named_scope("local_experts"):
     # The window's rows arrive expert-major from row 0; rows past the received are
     # padding (zeros in, zeros out: no bias).
-    matmul = GroupedMatmul(jnp.sum(recv_SL, axis=0), cfg.gmm_impl, x_ID.dtype)
-    out_CF = ffn_L(recv_CD, matmul)
+    group_sizes_L = jnp.sum(recv_SL, axis=0)
+    if cfg.tensor_axis is None:
+      out_CF = ffn_L(recv_CD, GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_ID.dtype))
+    else:  # the rows of every tensor rank, each buffer expert-major: ids from the sizes
+      ends_L = jnp.cumsum(group_sizes_L)
+      ids_C = jnp.searchsorted(ends_L, jnp.arange(C, dtype=ends_L.dtype), side="right")
+      out_CF = local_experts(
+        recv_CD, ids_C.astype(jnp.int32), ffn_L, cfg.local_experts, cfg.gmm_impl, cfg.tensor_axis
+      )
   # Each device returns the outputs to the sorted positions their items came from.
   with jax.named_scope("return"):
     if y_IF is None:
