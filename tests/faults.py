@@ -59,7 +59,7 @@ FAULTS = {
     "stop_gradient on x inside shared_experts (dx misses the shared experts)",
     (
       (
-        "moe_shard/layer.py",
+        "moe_shard/experts.py",
         "  return shared(x_TD, matmul)",
         "  return shared(jax.lax.stop_gradient(x_TD), matmul)",
       ),
@@ -130,6 +130,34 @@ FAULTS = {
       ),
     ),
     ("tests/test_axis_names.py",),
+  ),
+  "I": Fault(
+    "expert tensor parallelism adds the experts' output bias on every tensor rank",
+    (
+      (
+        "moe_shard/parallel/common.py",
+        'lambda a, ls: a if "F" in ls else jnp.where(first, a, jnp.zeros_like(a))',
+        "lambda a, ls: a",
+      ),
+    ),
+    ("tests/test_expert_split.py", "-k", "matches"),
+  ),
+  "J": Fault(
+    "the shared experts' tensor parallelism sums partial outputs of different tokens (psum "
+    "over the tensor axis without gathering the tokens first)",
+    (
+      (
+        "moe_shard/parallel/dense.py",
+        "x_TD = jax.lax.all_gather(x_TD, tensor_axis, axis=0, tiled=True)",
+        "pass",
+      ),
+      (
+        "moe_shard/parallel/dense.py",
+        "y_TD = jax.lax.psum_scatter(y_TD, tensor_axis, scatter_dimension=0, tiled=True)",
+        "y_TD = jax.lax.psum(y_TD, tensor_axis)",
+      ),
+    ),
+    ("tests/test_expert_split.py", "-k", "matches"),
   ),
 }
 
