@@ -3,13 +3,16 @@
 `MoEConfig(expert_axis="ep")` on a `("data", "ep")` mesh (experts over "ep") and
 `expert_axis=("data", "ep")` (experts over both axes, one per device), each given as
 `mesh=` and as the mesh in scope (`with jax.set_mesh(mesh):`), for the Flax NNX and Equinox
-modules, `init_moe_params` / `moe_param_specs` and `moe_shard.hf.load_moe_layer`. The
-modules' outputs are compared with the float64 layer oracle and with `moe_layer` on the same
+modules, `init_moe_params` / `moe_param_specs` and `moe_shard.hf.load_moe_layer`; and the
+same with `expert_tensor_axis="tp"` and `expert_fsdp_axis="dp"` on a ("dp", "ep", "tp")
+mesh. The modules' outputs are compared with the float64 layer oracle and with `moe_layer` on the same
 mesh with the same parameters (one case also its gradients), the parameters' shardings with
 the specs written out by hand, and each compiled program must hold its dispatch's collective
 (all_to_all, ragged_all_to_all, all_gather). No mesh here has an axis named "expert", so a
 hard-coded default name fails.
 """
+
+import dataclasses
 
 import hf_checkpoints
 import jax
@@ -223,5 +226,89 @@ def test_load_moe_layer(checkpoint, expert_axis, mode):
     cfg, params = hf.load_moe_layer(path, layer, mesh=arg, expert_axis=expert_axis)
   assert cfg.expert_axis == expert_axis
   check_placed(params, cfg, mesh)
+  for got, value in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(value))
+
+
+# --------------------------------------------------------------------------- split axes
+
+# Experts over "ep", each expert's F over "tp", every weight's D over "dp": no default name.
+SPLIT_AXES = ("dp", "ep", "tp")
+SPLIT = dict(expert_axis="ep", expert_tensor_axis="tp", expert_fsdp_axis="dp")
+
+
+def split_mesh(mode):
+  kind = AxisType.Explicit if mode == "set_mesh" else AxisType.Auto
+  return jax.make_mesh((2, 2, 2), SPLIT_AXES, axis_types=(kind,) * 3)
+
+
+def check_split_placed(params, cfg, mesh):
+  """Every leaf on `mesh` as the specs written out here say."""
+  want = dict(
+    router_DE=P(None, None),
+    gate_EDF=P("ep", "dp", "tp"),
+    down_EFD=P("ep", "tp", "dp"),
+    shared_gate=P(None, "dp", "tp"),
+  )
+  specs = ms.moe_param_specs(cfg)
+  assert specs.router_DE == want["router_DE"]
+  assert specs.experts.gate_EDF == specs.experts.up_EDF == want["gate_EDF"]
+  assert specs.experts.down_EFD == want["down_EFD"]
+  assert specs.shared.gate_EDF == want["shared_gate"]
+  for leaf, spec in leaves_and_specs(params, cfg):
+    assert leaf.sharding == NamedSharding(mesh, spec), (leaf.sharding, spec)
+
+
+# (framework, mode, dispatch)
+SPLIT_CASES = [
+  ("nnx", "mesh_arg", "all_to_all"),
+  ("nnx", "set_mesh", "ragged_all_to_all"),
+  ("equinox", "mesh_arg", "all_gather"),
+  ("equinox", "set_mesh", "all_to_all"),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=["-".join(c) for c in SPLIT_CASES])
+def test_module_with_tensor_and_fsdp_axes(case):
+  """The NNX and Equinox modules with every axis field set to a name of the user's: their
+  parameters placed as the specs say, their output that of `moe_layer` on the same mesh
+  and of the float64 model."""
+  framework, mode, impl = case
+  cfg = dataclasses.replace(make_cfg("ep", impl), **SPLIT)
+  mesh = split_mesh(mode)
+  arg, context = scope(mesh, mode)
+  with context():
+    moe, params, state, rebuild = build(framework, cfg, arg)
+  assert moe.mesh == mesh
+  check_split_placed(params, cfg, mesh)
+  x = jax.device_put(
+    jax.random.normal(jax.random.key(1), (B, S, D)), NamedSharding(mesh, P(SPLIT_AXES))
+  )
+
+  def outputs(state, params, x):
+    y, aux = rebuild(state)(x)
+    want_y, want_aux = ms.moe_layer(params, x, cfg, mesh=mesh)
+    return y, aux["aux_loss"], want_y, want_aux["aux_loss"]
+
+  with context():
+    y, aux_loss, want_y, want_aux_loss = jax.jit(outputs, compiler_options=FAST_COMPILE)(
+      state, params, x
+    )
+  assert_close(y, want_y, jnp.float32)
+  assert_close(aux_loss, want_aux_loss, jnp.float32)
+  oracle_y, _ = layer_oracle.layer(params, x, cfg)
+  assert_close(y, oracle_y, jnp.float32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_load_moe_layer_with_tensor_and_fsdp_axes(checkpoint, mode):
+  """The loader places (and reads) each device's slice of E, F and D as the specs say."""
+  path, layer, want = checkpoint
+  mesh = split_mesh(mode)
+  arg, context = scope(mesh, mode)
+  with context():
+    cfg, params = hf.load_moe_layer(path, layer, mesh=arg, **SPLIT)
+  assert (cfg.expert_axis, cfg.expert_tensor_axis, cfg.expert_fsdp_axis) == ("ep", "tp", "dp")
+  check_split_placed(params, cfg, mesh)
   for got, value in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(value))

@@ -27,7 +27,7 @@ from moe_shard.hf.families import FAMILIES, Family, text_config
 from moe_shard.hf.io import Checkpoint, write_folder
 from moe_shard.hf.layouts import BF16, fp8_block, stored
 from moe_shard.hf.mxfp4 import quantize as quantize_mxfp4
-from moe_shard.params import MoEParams, moe_param_shapes, moe_param_specs
+from moe_shard.params import MoEParams, check_split_axes, moe_param_shapes, moe_param_specs
 from moe_shard.sharding import EXPERT, resolve_mesh
 
 DTYPES = {
@@ -95,7 +95,7 @@ def _open(fn, path):
   return _Block(ckpt, family, text, tuple(family.layouts(text)))
 
 
-def _config(fn, block, layer, dtype, expert_axis):
+def _config(fn, block, layer, dtype, expert_axis, tensor_axis=None, fsdp_axis=None):
   """The MoEConfig of layer `layer`; param_dtype is `dtype` or the experts' stored dtype."""
   try:
     fields = block.family.config(block.text)
@@ -105,7 +105,13 @@ def _config(fn, block, layer, dtype, expert_axis):
     raise ValueError(f"{fn}: {e}") from None
   if dtype is None:
     dtype = _stored_dtype(fn, block, layer, MoEConfig(**fields))
-  return MoEConfig(**fields, param_dtype=jnp.dtype(dtype), expert_axis=expert_axis)
+  return MoEConfig(
+    **fields,
+    param_dtype=jnp.dtype(dtype),
+    expert_axis=expert_axis,
+    expert_tensor_axis=tensor_axis,
+    expert_fsdp_axis=fsdp_axis,
+  )
 
 
 def _stored_dtype(fn, block, layer, cfg):
@@ -146,6 +152,7 @@ def _leaf_shapes(cfg):
 def _mesh(fn, mesh, cfg):
   """The mesh to place the leaves on (`mesh`, or the one in scope), a concrete `Mesh`."""
   resolved = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+  check_split_axes(fn, cfg, resolved)
   if resolved is not None and not isinstance(resolved, Mesh):
     raise ValueError(
       f"{fn}: mesh must be a concrete jax.sharding.Mesh to create arrays on (got "
@@ -257,6 +264,8 @@ def load_moe_layer(
   mesh: Mesh | None = None,
   dtype: jnp.dtype | type | None = None,
   expert_axis: str | tuple[str, ...] = EXPERT,
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> tuple[MoEConfig, MoEParams]:
   """Loads the MoE block of one decoder layer of a Hugging Face checkpoint.
 
@@ -272,6 +281,10 @@ def load_moe_layer(
       bfloat16 for MXFP4 and block-FP8, whose products are formed in float32). The router,
       its biases and the shared gate are float32.
     expert_axis: `MoEConfig.expert_axis` (default "expert").
+    expert_tensor_axis: `MoEConfig.expert_tensor_axis` (default None): with a mesh, each
+      device reads only its slice of every expert's hidden dimension.
+    expert_fsdp_axis: `MoEConfig.expert_fsdp_axis` (default None): with a mesh, each
+      device reads only its slice of every D dimension of the expert weights.
 
   Returns:
     (cfg: MoEConfig, params: MoEParams) such that `moe_layer(params, x, cfg)` computes the
@@ -287,7 +300,7 @@ def load_moe_layer(
   fn = "load_moe_layer"
   block = _open(fn, path)
   layer = _check_layer(fn, block, layer)
-  cfg = _config(fn, block, layer, dtype, expert_axis)
+  cfg = _config(fn, block, layer, dtype, expert_axis, expert_tensor_axis, expert_fsdp_axis)
   mesh = _mesh(fn, mesh, cfg)
   _check_tensors(fn, block, layer, cfg)
   return cfg, _build(block, cfg, [layer], mesh, stacked=False)
@@ -299,6 +312,8 @@ def load_moe_layers(
   mesh: Mesh | None = None,
   dtype: jnp.dtype | type | None = None,
   expert_axis: str | tuple[str, ...] = EXPERT,
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
 ) -> tuple[MoEConfig, MoEParams]:
   """Loads every MoE block of a checkpoint, leaves stacked on a leading layer axis.
 
@@ -307,7 +322,8 @@ def load_moe_layers(
   `nnx.scan`. With a mesh each leaf's spec is `P(None, *moe_param_specs(cfg).leaf)`.
 
   Args:
-    path, mesh, dtype, expert_axis: as `load_moe_layer`.
+    path, mesh, dtype, expert_axis, expert_tensor_axis, expert_fsdp_axis: as
+      `load_moe_layer`.
 
   Returns:
     (cfg: MoEConfig, params: MoEParams with every leaf [L, ...]).
@@ -321,7 +337,7 @@ def load_moe_layers(
   layers = block.moe_layers()
   if not layers:
     raise ValueError(f"{fn}: {str(path)!r} has no MoE layer")
-  cfg = _config(fn, block, layers[0], dtype, expert_axis)
+  cfg = _config(fn, block, layers[0], dtype, expert_axis, expert_tensor_axis, expert_fsdp_axis)
   mesh = _mesh(fn, mesh, cfg)
   for i in layers:
     _check_tensors(fn, block, i, cfg)
