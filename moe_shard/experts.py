@@ -387,7 +387,8 @@ def split_dims(fn: str, ffn: Any) -> tuple[Any, str]:
   Raises:
     ValueError: `ffn` is not such a dataclass.
   """
-  fields = _array_fields(ffn) if dataclasses.is_dataclass(ffn) else []
+  is_instance = dataclasses.is_dataclass(ffn) and not isinstance(ffn, type)
+  fields = _array_fields(ffn) if is_instance else []
   letters, matrices = {}, []
   for f in fields:
     leaf = getattr(ffn, f.name)
@@ -408,7 +409,8 @@ def split_dims(fn: str, ffn: Any) -> tuple[Any, str]:
       f"{fn}: expert_tensor_axis and expert_fsdp_axis need an FFN dataclass with matrix "
       f"fields named by their dimensions, such as SwiGLU (got {type(ffn).__name__})"
     )
-  return dataclasses.replace(ffn, **letters), matrices[-1][-1]
+  tree: Any = ffn  # a dataclass instance (checked above)
+  return dataclasses.replace(tree, **letters), matrices[-1][-1]
 
 
 EXPERTS = {
