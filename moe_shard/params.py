@@ -23,7 +23,7 @@ from moe_shard import _checks
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.experts import ExpertFFN, SwiGLU
 from moe_shard.parallel.common import split_specs
-from moe_shard.sharding import is_concrete, resolve_mesh, tracing
+from moe_shard.sharding import is_concrete, resolve_mesh, split_axis_size, tracing
 
 
 @jax.tree_util.register_dataclass
@@ -144,13 +144,9 @@ def check_split_axes(fn: str, cfg: MoEConfig, mesh: Mesh | AbstractMesh | None) 
   for field, axis, sizes in splits:
     if axis is None:
       continue
-    if axis not in mesh.axis_names:
-      raise ValueError(
-        f"{fn}: {field} must be an axis of the mesh (got {axis!r}; mesh axes "
-        f"{tuple(mesh.axis_names)})"
-      )
+    size = split_axis_size(fn, mesh, field, axis)
     for name, n in sizes:
-      _checks.divisible(fn, name, n, f"the size of {field} {axis!r}", mesh.shape[axis])
+      _checks.divisible(fn, name, n, f"the size of {field} {axis!r}", size)
 
 
 def init_moe_params(

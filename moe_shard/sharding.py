@@ -91,6 +91,17 @@ def check_mesh(fn, mesh, expert_axis, num_experts=None, *, optional=False, what=
     )
 
 
+def split_axis_size(fn, mesh, field, axis):
+  """The size of `axis`, the value of the `MoEConfig` field `field` (`expert_tensor_axis`,
+  `expert_fsdp_axis`); raises ValueError unless it is an axis of `mesh`."""
+  if axis not in mesh.axis_names:
+    raise ValueError(
+      f"{fn}: {field} must be an axis of the mesh (got {axis!r}; mesh axes "
+      f"{tuple(mesh.axis_names)})"
+    )
+  return mesh.shape[axis]
+
+
 @overload
 def resolve_mesh(
   fn: str,

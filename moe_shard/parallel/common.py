@@ -12,7 +12,15 @@ from jax.sharding import PartitionSpec as P
 from moe_shard import _checks, local
 from moe_shard.experts import GroupedMatmul, split_dims
 from moe_shard.remat import MOE_DISPATCH_RECV
-from moe_shard.sharding import axis_size, check_mesh, expert_axes, place, token_spec, trim
+from moe_shard.sharding import (
+  axis_size,
+  check_mesh,
+  expert_axes,
+  place,
+  split_axis_size,
+  token_spec,
+  trim,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +98,7 @@ def check_split(fn, mesh, ffn, tensor_axis, fsdp_axis):
   ):
     if axis is None:
       continue
-    if axis not in mesh.axis_names:
-      raise ValueError(
-        f"{fn}: {field} must be an axis of the mesh (got {axis!r}; mesh axes "
-        f"{tuple(mesh.axis_names)})"
-      )
-    size = mesh.shape[axis]
+    size = split_axis_size(fn, mesh, field, axis)
     for (path, leaf), ls in zip(jax.tree_util.tree_leaves_with_path(ffn), jax.tree.leaves(letters)):
       for c, n in zip(ls, leaf.shape):
         if c == letter and n % size:
