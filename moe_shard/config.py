@@ -147,11 +147,12 @@ class MoEConfig:
       by rows; the shared experts' hidden dimension too (a dense tensor-parallel MLP). Needs
       an expert type with a hidden dimension (not "linear") and F (and `shared_d_ff`)
       divisible by the axis size. docs/guides/sharding.md says where the partial sums meet.
-    expert_fsdp_axis: None (default) or a mesh axis over which every D (d_model) dimension
-      of the routed and shared experts' weights is stored split (FSDP of expert weights):
-      all-gathered inside the layer where used, gradients reduce-scattered. D must divide
-      by the axis size. Typically the data axis; never an axis of `expert_axis` or
-      `expert_tensor_axis`.
+    expert_fsdp_axis: None (default) or a mesh axis over which the last dimension of every
+      matrix of the routed and shared experts is stored split (FSDP of expert weights: F
+      of gate and up, after `expert_tensor_axis` when both are set; D of down), all-gathered
+      inside the layer where used, gradients reduce-scattered. F (and `shared_d_ff`) must
+      divide by the product of the axes that split it, D by this one. Typically the data
+      axis; never an axis of `expert_axis` or `expert_tensor_axis`.
   """
 
   d_model: int

@@ -372,7 +372,7 @@ def split_dims(fn: str, ffn: Any) -> tuple[Any, str]:
 
   What splitting the FFN over mesh axes needs: the letter E (expert), D (model) or F
   (hidden) of each dimension of each leaf (`expert_tensor_axis` splits every F,
-  `expert_fsdp_axis` every D).
+  `expert_fsdp_axis` the last dimension of every matrix).
 
   Args:
     fn: name of the calling function, for error messages.

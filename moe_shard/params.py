@@ -99,8 +99,9 @@ def moe_param_specs(cfg: MoEConfig) -> MoEParams:
   Expert weights are split over `cfg.expert_axis` on their first (expert) axis; with
   `cfg.expert_tensor_axis`, every F (hidden) dimension of the routed and shared experts is
   split over it (gate and up by columns, down by rows, the input biases); with
-  `cfg.expert_fsdp_axis`, every D dimension of theirs (`P("expert", "data", "tensor")` for
-  a gate). The router, the router biases and the shared gate are replicated. Each spec has
+  `cfg.expert_fsdp_axis`, the last dimension of each of their matrices (F of gate and up,
+  after the tensor axis; D of down): `P("expert", None, ("tensor", "data"))` for a gate,
+  `P("expert", "tensor", "data")` for a down. The router, the router biases and the shared gate are replicated. Each spec has
   one entry per array dimension (`P("expert", None, None)`, `P(None, None)`, `P(None)`), as
   Flax's partition metadata needs. For a stack of layers (a leading layer axis), prepend
   None: `jax.tree.map(lambda s: P(None, *s), specs)`.
@@ -130,23 +131,32 @@ def moe_param_specs(cfg: MoEConfig) -> MoEParams:
 
 def check_split_axes(fn: str, cfg: MoEConfig, mesh: Mesh | AbstractMesh | None) -> None:
   """Raises unless `cfg.expert_tensor_axis` and `cfg.expert_fsdp_axis` are axes of `mesh`
-  whose sizes divide what they split: F (`d_ff`, and `shared_d_ff` with shared experts) for
-  the tensor axis, D for the FSDP axis. Nothing to check without a mesh (nothing is split).
+  whose sizes divide what they split: F (`d_ff`, and `shared_d_ff` with shared experts) by
+  the tensor axis, D by the FSDP axis, and F by both together where both split it (the last
+  dimension of gate and up). Nothing to check without a mesh (nothing is split).
   """
   if mesh is None:
     return
-  splits = (
-    ("expert_tensor_axis", cfg.expert_tensor_axis, [("d_ff", cfg.d_ff)]),
-    ("expert_fsdp_axis", cfg.expert_fsdp_axis, [("d_model", cfg.d_model)]),
+  tp = fsdp = 1
+  if cfg.expert_tensor_axis is not None:
+    tp = split_axis_size(fn, mesh, "expert_tensor_axis", cfg.expert_tensor_axis)
+  if cfg.expert_fsdp_axis is not None:
+    fsdp = split_axis_size(fn, mesh, "expert_fsdp_axis", cfg.expert_fsdp_axis)
+  names = {
+    (True, False): f"the size of expert_tensor_axis {cfg.expert_tensor_axis!r}",
+    (False, True): f"the size of expert_fsdp_axis {cfg.expert_fsdp_axis!r}",
+    (True, True): f"the sizes of expert_tensor_axis {cfg.expert_tensor_axis!r} times "
+    f"expert_fsdp_axis {cfg.expert_fsdp_axis!r}",
+  }
+  hidden = [("d_ff", cfg.d_ff)] + (
+    [("shared_d_ff", cfg.shared_hidden)] if cfg.num_shared_experts else []
   )
-  if cfg.num_shared_experts:
-    splits[0][2].append(("shared_d_ff", cfg.shared_hidden))
-  for field, axis, sizes in splits:
-    if axis is None:
-      continue
-    size = split_axis_size(fn, mesh, field, axis)
-    for name, n in sizes:
-      _checks.divisible(fn, name, n, f"the size of {field} {axis!r}", size)
+  on = (cfg.expert_tensor_axis is not None, cfg.expert_fsdp_axis is not None)
+  if any(on):
+    for name, n in hidden:
+      _checks.divisible(fn, name, n, names[on], tp * fsdp)
+  if on[1]:
+    _checks.divisible(fn, "d_model", cfg.d_model, names[(False, True)], fsdp)
 
 
 def init_moe_params(

@@ -246,9 +246,9 @@ def check_split_placed(params, cfg, mesh):
   """Every leaf on `mesh` as the specs written out here say."""
   want = dict(
     router_DE=P(None, None),
-    gate_EDF=P("ep", "dp", "tp"),
+    gate_EDF=P("ep", None, ("tp", "dp")),
     down_EFD=P("ep", "tp", "dp"),
-    shared_gate=P(None, "dp", "tp"),
+    shared_gate=P(None, None, ("tp", "dp")),
   )
   specs = ms.moe_param_specs(cfg)
   assert specs.router_DE == want["router_DE"]

@@ -1,8 +1,8 @@
 """Experts split past the expert axis: expert tensor parallelism and FSDP of expert weights.
 
 `MoEConfig(expert_tensor_axis=...)` splits each routed and shared expert's hidden dimension
-F over an axis; `expert_fsdp_axis=...` stores every D dimension of their weights split over
-an axis, gathered inside the layer. Checked here:
+F over an axis; `expert_fsdp_axis=...` stores the last dimension of each of their matrices
+split over an axis, gathered inside the layer. Checked here:
 
   * the layer against the float64 layer model (`layer_oracle`), y, aux and the gradient of
     x and every parameter leaf (finite differences), on 3-axis meshes (data x expert x
@@ -258,8 +258,8 @@ def test_output_bias_counts_once():
 )
 def test_each_device_holds_its_share_of_every_weight(overrides, shape, names):
   """Each device's shard of each weight is the full size over the product of the sizes of
-  the axes that split it (expert axis on E, tensor axis on F, FSDP axis on D), as written
-  out by hand here; the router and shared gate stay whole."""
+  the axes that split it (expert axis on E, tensor axis on F, FSDP axis on each matrix's
+  last dimension), as written out by hand here; the router and the biases' D stay whole."""
   cfg = config(**overrides)
   mesh = mesh_of(shape, names, AUTO)
   params = ms.init_moe_params(jax.random.key(0), cfg, mesh)
@@ -274,7 +274,7 @@ def test_each_device_holds_its_share_of_every_weight(overrides, shape, names):
     "experts.down_EFD": ep * tp * dp,
     "experts.gate_b_EF": ep * tp,
     "experts.up_b_EF": ep * tp,
-    "experts.down_b_ED": ep * dp,
+    "experts.down_b_ED": ep,
     "shared.gate_EDF": dp * tp,
     "shared.up_EDF": dp * tp,
     "shared.down_EFD": tp * dp,
@@ -296,10 +296,10 @@ def _collectives(hlo, op):
 @pytest.mark.parametrize("impl", ["all_to_all", "ragged_all_to_all"])
 def test_fsdp_gathers_weights_once_and_reduce_scatters_their_gradients(impl):
   """The compiled gradient of the layer with FSDP over "data" (2 x 4 mesh, F = 16, D = 8):
-  each routed weight [2, 8, 16] / [2, 16, 8] (2 local experts, D whole) is all-gathered
-  exactly once, its gradient reduce-scattered back to [2, 4, 16] / [2, 16, 4], and no
-  all-reduce carries a weight-sized array (the expert weights are split over every axis,
-  so nothing is summed whole)."""
+  each routed weight [2, 8, 16] / [2, 16, 8] (2 local experts) is all-gathered exactly
+  once on its last dimension, its gradient reduce-scattered back to [2, 8, 8] / [2, 16, 4],
+  and no all-reduce carries a weight-sized array (the expert weights are split over every
+  axis, so nothing is summed whole)."""
   cfg = config(impl=impl, expert_fsdp_axis="data", num_shared_experts=0, expert_bias=False)
   mesh = mesh_of((2, 4), ("data", "expert"), AUTO)
   params = ms.init_moe_params(jax.random.key(0), cfg, mesh)
@@ -317,14 +317,14 @@ def test_fsdp_gathers_weights_once_and_reduce_scatters_their_gradients(impl):
     "f32[2,8,16]",
   ], gathered
   scattered = _collectives(hlo, "reduce-scatter")
-  assert sorted(s for s in scattered if s in ("f32[2,4,16]", "f32[2,16,4]")) == [
+  assert sorted(s for s in scattered if s in ("f32[2,8,8]", "f32[2,16,4]")) == [
     "f32[2,16,4]",
-    "f32[2,4,16]",
-    "f32[2,4,16]",
+    "f32[2,8,8]",
+    "f32[2,8,8]",
   ], scattered
   reduced = _collectives(hlo, "all-reduce")
   sizes = [math.prod(int(n) for n in s[s.index("[") + 1 : -1].split(",") if n) for s in reduced]
-  weight_sized = [s for s, n in zip(reduced, sizes) if n >= 2 * 4 * 16]
+  weight_sized = [s for s, n in zip(reduced, sizes) if n >= 2 * 8 * 8]
   assert not weight_sized, reduced
 
 
@@ -362,6 +362,13 @@ def test_tensor_axis_gathers_rows_and_reduce_scatters_partial_outputs():
       DET,
       r"moe_layer: shared_d_ff \(5\) must be divisible by the size of expert_tensor_axis "
       r"'tensor' \(2\)",
+    ),
+    (
+      dict(expert_tensor_axis="tensor", expert_fsdp_axis="data", d_ff=6),
+      (2, 2, 2),
+      DET,
+      r"moe_layer: d_ff \(6\) must be divisible by the sizes of expert_tensor_axis 'tensor' "
+      r"times expert_fsdp_axis 'data' \(4\)",
     ),
     (
       dict(expert_fsdp_axis="data", d_model=6),
@@ -447,7 +454,7 @@ def test_dispatch_rejects_a_weight_the_axis_does_not_divide():
   x, ids = jnp.ones((16, D)), jnp.zeros((16, K), jnp.int32)
   with pytest.raises(
     ValueError,
-    match=r"moe_all_to_all: the F dimension of w.gate_EDF \(6\) must be divisible by the size "
-    r"of expert_tensor_axis 'tensor' \(4\)",
+    match=r"moe_all_to_all: the dimension 6 of w.gate_EDF must be divisible by the axes that "
+    r"split it: 'tensor' \(4\)",
   ):
     ms.moe_all_to_all(x, w, ids, mesh=mesh, expert_tensor_axis="tensor")

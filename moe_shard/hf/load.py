@@ -284,7 +284,7 @@ def load_moe_layer(
     expert_tensor_axis: `MoEConfig.expert_tensor_axis` (default None): with a mesh, each
       device reads only its slice of every expert's hidden dimension.
     expert_fsdp_axis: `MoEConfig.expert_fsdp_axis` (default None): with a mesh, each
-      device reads only its slice of every D dimension of the expert weights.
+      device reads only its slice of the last dimension of every expert matrix.
 
   Returns:
     (cfg: MoEConfig, params: MoEParams) such that `moe_layer(params, x, cfg)` computes the

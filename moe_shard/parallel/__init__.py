@@ -15,7 +15,7 @@ serves its own tokens with the E experts split L = E / N per device.
 
 With `expert_tensor_axis` each expert's hidden dimension F is also split over that axis
 (the rows a device computes are gathered over it and the partial outputs reduce-scattered),
-and with `expert_fsdp_axis` every D dimension of the weights is stored split over that axis
+and with `expert_fsdp_axis` each weight matrix's last dimension is stored split over that axis
 (gathered once per call); `shared_mlp` runs the shared experts the same way, as a dense
 tensor-parallel MLP.
 

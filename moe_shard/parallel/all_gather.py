@@ -53,8 +53,8 @@ def moe_all_gather(
     expert_tensor_axis: None (default) or a mesh axis splitting every F (hidden) dimension
       of `w` (`MoEConfig.expert_tensor_axis`): the tokens are gathered over the expert axis
       and this one, and the partial outputs reduce-scattered over both in one collective.
-    expert_fsdp_axis: None (default) or a mesh axis splitting every D dimension of `w`
-      (`MoEConfig.expert_fsdp_axis`): all-gathered once per call.
+    expert_fsdp_axis: None (default) or a mesh axis splitting the last dimension of every
+      matrix of `w` (`MoEConfig.expert_fsdp_axis`): all-gathered once per call.
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`, split over the mesh like the tokens.

@@ -113,8 +113,9 @@ def moe_all_to_all(
     expert_tensor_axis: None (default) or a mesh axis splitting every F (hidden) dimension
       of `w` (`MoEConfig.expert_tensor_axis`): the rows a device receives are all-gathered
       over it, and the partial outputs reduce-scattered before the return trip.
-    expert_fsdp_axis: None (default) or a mesh axis splitting every D dimension of `w`
-      (`MoEConfig.expert_fsdp_axis`): all-gathered once per call, before the rounds.
+    expert_fsdp_axis: None (default) or a mesh axis splitting the last dimension of every
+      matrix of `w` (`MoEConfig.expert_fsdp_axis`): all-gathered once per call, before the
+      rounds.
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats

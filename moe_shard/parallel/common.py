@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ class _Layout:
   tokens: int  # T before padding
   padded: int  # T after padding to a multiple of the device count
   tensor_axis: str | None = None  # each expert's F split over it (expert tensor parallelism)
-  fsdp_axis: str | None = None  # every D of the expert weights stored split over it
+  fsdp_axis: str | None = None  # each matrix's last dimension stored split over it (FSDP)
 
   @property
   def all_axes(self):
@@ -52,8 +53,8 @@ class _Layout:
 
   def ffn_specs(self, ffn):
     """shard_map specs of the expert weights (a pytree like `ffn`): axis 0 split over the
-    expert axes, then over the other axes of size 1; every F over the tensor axis and every
-    D over the FSDP axis (`split_specs`). Naming the size-1 axes changes no layout, but
+    expert axes, then over the other axes of size 1; every F over the tensor axis and each
+    matrix's last dimension over the FSDP axis (`split_specs`). Naming the size-1 axes changes no layout, but
     shard_map (with check_vma off) transposes a replicated input into a psum over the axes
     its spec leaves out: one all-reduce copying every weight gradient even over an axis of
     size 1."""
@@ -72,57 +73,74 @@ class _Layout:
 
 def split_specs(ffn, first, tensor_axis, fsdp_axis):
   """`PartitionSpec`s of an FFN's leaves (a pytree like `ffn`): axis 0 over `first`, every F
-  (hidden) dimension over `tensor_axis`, every D (model) dimension over `fsdp_axis`."""
+  (hidden) dimension over `tensor_axis`, and the last dimension of every matrix (rank-3
+  leaf: F of gate and up, D of down) over `fsdp_axis`, after the tensor axis where both
+  split it (`P("expert", None, ("tensor", "data"))`).
+
+  FSDP splits each matrix's last dimension because that is the one XLA:TPU reduce-scatters
+  the gradient over: it turns a reduce-scatter over the second-to-last dimension of a
+  [D, F] gradient into an all-reduce (twice the bytes) and a slice (libtpu 0.0.42.1, v5p).
+  """
   if tensor_axis is None and fsdp_axis is None:
     return jax.tree.map(lambda a: P(first, *[None] * (len(a.shape) - 1)), ffn)
-  over = {"F": tensor_axis, "D": fsdp_axis}
   letters, _ = split_dims("split_specs", ffn)
-  return jax.tree.map(lambda ls: P(first, *[over.get(c) for c in ls[1:]]), letters)
+
+  def spec(ls):
+    dims = [tensor_axis if c == "F" else None for c in ls[1:]]
+    if fsdp_axis is not None and len(ls) == 3:
+      dims[-1] = fsdp_axis if dims[-1] is None else (dims[-1], fsdp_axis)
+    return P(first, *dims)
+
+  return jax.tree.map(spec, letters)
 
 
 def check_split(fn, mesh, ffn, tensor_axis, fsdp_axis):
   """Raises unless each split axis is a mesh axis whose size divides every dimension it
-  splits (F for `tensor_axis`, D for `fsdp_axis`) of every leaf of `ffn`."""
+  splits (`split_specs`) of every leaf of `ffn`."""
   if tensor_axis is None and fsdp_axis is None:
     return
-  letters, output = split_dims(fn, ffn)
+  _, output = split_dims(fn, ffn)
   if tensor_axis is not None and output == "F":
     raise ValueError(
       f"{fn}: expert_tensor_axis needs experts with a hidden dimension F between their "
       f"input and output matrices; {type(ffn).__name__} outputs F "
       f"(got expert_tensor_axis={tensor_axis!r})"
     )
-  for field, axis, letter in (
-    ("expert_tensor_axis", tensor_axis, "F"),
-    ("expert_fsdp_axis", fsdp_axis, "D"),
+  sizes = {
+    axis: split_axis_size(fn, mesh, field, axis)
+    for field, axis in (("expert_tensor_axis", tensor_axis), ("expert_fsdp_axis", fsdp_axis))
+    if axis is not None
+  }
+  specs = split_specs(ffn, None, tensor_axis, fsdp_axis)
+  for (path, leaf), spec in zip(
+    jax.tree_util.tree_leaves_with_path(ffn), jax.tree.leaves(specs, is_leaf=_is_spec)
   ):
-    if axis is None:
-      continue
-    size = split_axis_size(fn, mesh, field, axis)
-    for (path, leaf), ls in zip(jax.tree_util.tree_leaves_with_path(ffn), jax.tree.leaves(letters)):
-      for c, n in zip(ls, leaf.shape):
-        if c == letter and n % size:
-          raise ValueError(
-            f"{fn}: the {letter} dimension of w{jax.tree_util.keystr(path)} ({n}) must "
-            f"be divisible by the size of {field} {axis!r} ({size})"
-          )
+    for n, axes in zip(leaf.shape[1:], spec[1:]):
+      axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+      split = math.prod(sizes[a] for a in axes)
+      if n % split:
+        what = " x ".join(f"{a!r} ({sizes[a]})" for a in axes)
+        raise ValueError(
+          f"{fn}: the dimension {n} of w{jax.tree_util.keystr(path)} must be divisible by "
+          f"the axes that split it: {what}"
+        )
+
+
+def _is_spec(x):
+  return isinstance(x, P)
 
 
 def gather_weights(ffn, fsdp_axis):
-  """FSDP: every D dimension of the weights all-gathered over `fsdp_axis`, once per call
-  (its transpose reduce-scatters the gradients); `ffn` itself for None."""
+  """FSDP: the last dimension of every matrix (`split_specs`) all-gathered over `fsdp_axis`,
+  once per call (its transpose reduce-scatters the gradients); `ffn` itself for None."""
   if fsdp_axis is None:
     return ffn
-  letters, _ = split_dims("gather_weights", ffn)
 
-  def gather(a, ls):
-    for i, c in enumerate(ls):
-      if c == "D":
-        a = jax.lax.all_gather(a, fsdp_axis, axis=i, tiled=True)
-    return a
+  def gather(a):
+    return jax.lax.all_gather(a, fsdp_axis, axis=2, tiled=True) if a.ndim == 3 else a
 
   with jax.named_scope("fsdp_gather"):
-    return jax.tree.map(gather, ffn, letters)
+    return jax.tree.map(gather, ffn)
 
 
 def output_once(ffn, tensor_axis):

@@ -15,11 +15,12 @@ def shared_mlp(shared: SwiGLU, x_TD: jax.Array, *, mesh, tensor_axis, fsdp_axis)
   """Every token through every shared expert, summed, on a mesh: f32[T, D].
 
   Tokens are split over every mesh axis (T must divide by the mesh size). The weights are
-  split as `moe_param_specs` places them: F over `tensor_axis`, D over `fsdp_axis`. Each
-  device all-gathers the D slices of the weights over the FSDP axis (the gradients come back
-  reduce-scattered) and the tokens of the devices on its tensor axis, computes their partial
-  outputs from its F / M columns, and a reduce-scatter over the tensor axis sums them and
-  hands each device its own tokens: (M - 1) / M of its tokens' D in, of their outputs back.
+  split as `moe_param_specs` places them: F over `tensor_axis`, each matrix's last dimension
+  over `fsdp_axis`. Each device all-gathers its slices of the weights over the FSDP axis
+  (the gradients come back reduce-scattered) and the tokens of the devices on its tensor
+  axis, computes their partial outputs from its F / M columns, and a reduce-scatter over the
+  tensor axis sums them and hands each device its own tokens: (M - 1) / M of its tokens' D
+  in, of their outputs back.
 
   Args:
     shared: the shared experts, leaves [e, D, F] and [e, F, D], placed or not.
