@@ -156,6 +156,14 @@ def output_once(ffn, tensor_axis):
   )
 
 
+# Rows of each device's block in the tensor axis's all-gather and reduce-scatter: a multiple
+# of this. Compiled for TPU v5p (libtpu 0.0.42.1), a reduce-scatter of bf16 [8 x 2232, 6144]
+# partial outputs became an all-reduce of the whole (padded) array, twice the bytes; padded
+# to 8 x 2304 rows it stays a reduce-scatter. (The overflow rounds' 8 x 640 rows still
+# compile to an all-reduce there: they run only when a receive buffer overflows.)
+TENSOR_ROWS = 128
+
+
 def local_experts(x_MD, ids_M, ffn_L, num_local, gmm_impl, tensor_axis=None):
   """Runs the L local experts on received rows, each with its local expert id (L: padding,
   zeros out): f[M, out] in the dtype of x (products accumulate in float32).
@@ -167,7 +175,13 @@ def local_experts(x_MD, ids_M, ffn_L, num_local, gmm_impl, tensor_axis=None):
   (docs/guides/sharding.md has the bytes).
   """
   x_MD = checkpoint_name(x_MD, MOE_DISPATCH_RECV)
+  M = x_MD.shape[0]
   if tensor_axis is not None:
+    # Each device's block a multiple of TENSOR_ROWS rows (padding: id L, zeros out), so
+    # that XLA:TPU keeps the reduce-scatter below one (`TENSOR_ROWS`).
+    pad = -M % TENSOR_ROWS
+    x_MD = jnp.pad(x_MD, ((0, pad), (0, 0)))
+    ids_M = jnp.pad(ids_M, (0, pad), constant_values=num_local)
     with jax.named_scope("tensor_gather"):
       x_MD, ids_M = (jax.lax.all_gather(a, tensor_axis, axis=0, tiled=True) for a in (x_MD, ids_M))
   order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, num_local)
@@ -179,7 +193,7 @@ def local_experts(x_MD, ids_M, ffn_L, num_local, gmm_impl, tensor_axis=None):
   y_MF = local.move_rows(ffn_L(local.move_rows(x_MD, rank_M, order_M), matmul), order_M, rank_M)
   if tensor_axis is not None:
     with jax.named_scope("tensor_reduce_scatter"):
-      y_MF = jax.lax.psum_scatter(y_MF, tensor_axis, scatter_dimension=0, tiled=True)
+      y_MF = jax.lax.psum_scatter(y_MF, tensor_axis, scatter_dimension=0, tiled=True)[:M]
   return y_MF
 
 
