@@ -159,8 +159,9 @@ def output_once(ffn, tensor_axis):
 # Rows of each device's block in the tensor axis's all-gather and reduce-scatter: a multiple
 # of this. Compiled for TPU v5p (libtpu 0.0.42.1), a reduce-scatter of bf16 [8 x 2232, 6144]
 # partial outputs became an all-reduce of the whole (padded) array, twice the bytes; padded
-# to 8 x 2304 rows it stays a reduce-scatter. (The overflow rounds' 8 x 640 rows still
-# compile to an all-reduce there: they run only when a receive buffer overflows.)
+# to 8 x 2304 rows it stays a reduce-scatter. Not every size is helped: 8 x 640 rows (the
+# overflow rounds there) and 8 x 8704 rows of bf16[., 6144] (855 MB) still compile to an
+# all-reduce (docs/guides/sharding.md).
 TENSOR_ROWS = 128
 
 
