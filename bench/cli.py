@@ -26,6 +26,9 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
     second being the one the roofline uses.
   rounds: all_to_all dispatch rounds; dropped: (token, slot) items the capacity-factor
     baseline drops (the others are dropless).
+  Memory per device (layer level): the layer's parameters as stored (their shardings: a
+    tensor axis in --mesh splits each expert's F, --fsdp its D), the program's arguments
+    and temp; with --model-layers L, the weights, gradients and Adam state of L layers.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import sys
 
 from bench import malloc, report
 from bench.flags import UsageError, parser, settings
-from bench.run import ask_for_devices, backend_started, make_mesh, run
+from bench.run import ask_for_devices, backend_started, make_mesh, mesh_label, run
 
 
 def main(argv=None):
@@ -92,7 +95,6 @@ def _main(argv):
     raise UsageError(str(err)) from None
   import jax
 
-  import moe_shard as ms
   from bench import common, tpu
 
   leader = distributed.is_leader()
@@ -115,7 +117,7 @@ def _main(argv):
     print(
       f"moe_shard benchmark ({s['preset']}): T={s['tokens']} D={s['d_model']} "
       f"F={s['d_ff']} K={s['top_k']} E={s['experts']} {s['dtype']} on {where}, mesh "
-      f"{mesh.shape[ms.EXPERT]}x{mesh.shape[ms.DATA]}",
+      f"{mesh_label(mesh)}" + (f", fsdp over {a.fsdp}" if a.fsdp else ""),
       flush=True,
     )
   progress = leader and not a.no_progress
@@ -124,6 +126,7 @@ def _main(argv):
     print()
     print(report.headline(rows))
     print(report.table(rows))
+    print(report.memory_section(rows))
     print(report.hbm_sections(rows))
     for path in report.write(rows, info, full, s, a):
       print("wrote", path)

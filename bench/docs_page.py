@@ -45,6 +45,19 @@ SECTIONS = {
   "tpu_v5p_8x8x4_deepseek_T1M": (
     "DeepSeek-V3's layer size (T=1M, D=7168, F=2048, E=256, K=8) compiled for TPU v5p 8x8x4"
   ),
+  "tpu_v5p_4x4x4_e64": "The layer at E=64 compiled for TPU v5p 4x4x4 (EP=64)",
+  "tpu_v5p_4x4x4_mixtral_etp8": (
+    "A Mixtral-8x22B-like layer on TPU v5p 4x4x4: EP8 x expert tensor parallelism 8"
+  ),
+  "tpu_v5p_4x4x4_mixtral_fsdp8": "A Mixtral-8x22B-like layer on TPU v5p 4x4x4: EP8 x FSDP8",
+  "tpu_v5p_4x4x4_mixtral_replicated": (
+    "A Mixtral-8x22B-like layer on TPU v5p 4x4x4: EP8, experts replicated over data"
+  ),
+  "tpu_v5p_8x8x4_deepseek_ep256": "A DeepSeek-V3-like layer on TPU v5p 8x8x4: EP=256",
+  "tpu_v5p_8x8x4_deepseek_ep64": "A DeepSeek-V3-like layer on TPU v5p 8x8x4: EP=64 x data 4",
+  "tpu_v5p_8x8x4_deepseek_ep64_fsdp4": (
+    "A DeepSeek-V3-like layer on TPU v5p 8x8x4: EP=64 x FSDP 4 over data"
+  ),
   "tpu_v5e_op_costs": "XLA's TPU cost model on the layer's building blocks",
 }
 
@@ -65,6 +78,22 @@ NOTES = {
     "x (28 GiB in float32) is never drawn on the host: the routing the accounting counts is "
     "sampled one token shard at a time from the distribution of the router's logits "
     "(`bench.programs.sampled_top_k`). XLA gave no cost estimate of these programs (n/a)."
+  ),
+  **dict.fromkeys(
+    (
+      "tpu_v5p_4x4x4_mixtral_etp8",
+      "tpu_v5p_4x4x4_mixtral_fsdp8",
+      "tpu_v5p_4x4x4_mixtral_replicated",
+      "tpu_v5p_8x8x4_deepseek_ep256",
+      "tpu_v5p_8x8x4_deepseek_ep64",
+      "tpu_v5p_8x8x4_deepseek_ep64_fsdp4",
+    ),
+    "x is never drawn on the host: the routing the accounting counts is sampled one token "
+    "shard at a time (`bench.programs.sampled_top_k`). MiB/dev includes every collective: "
+    "the tensor axis's row all-gather and partial-sum reduction, the FSDP weight gathers and "
+    "gradient reductions, and the gradient all-reduces of replicated weights; x bound "
+    "divides it by what moving the tokens alone must send. XLA gave no cost estimate of "
+    "these programs (n/a).",
   ),
 }
 
@@ -128,7 +157,9 @@ def _layer(data):
 
   parts = [
     f"T={values('T')} tokens in all, D={values('D')}, F={values('F')}, K={values('K')}, "
-    f"E={values('E')}, {values('dtype')}, mesh {values('mesh')} (expert x data).",
+    f"E={values('E')}, {values('dtype')}, "
+    + (f"{values('shared_experts')} shared expert(s), " if rows[0].get("shared_experts") else "")
+    + f"mesh {report.mesh_text(rows)}.",
   ]
   head = report.headline(rows)
   if head:
@@ -137,6 +168,9 @@ def _layer(data):
     parts.append("Every row:\n\n" + report.table(rows).rstrip())
   else:
     parts.append(f"{len(rows)} rows: see the files below for every row.")
+  memory = report.memory_section(rows)
+  if memory:
+    parts.append("Memory per device:\n\n" + memory.rstrip())
   return parts
 
 

@@ -152,7 +152,35 @@ def parser():
   p.add_argument("-F", "--d-ff", type=int, help="expert width (kernel: the matrix's F)")
   p.add_argument("-K", "--top-k", type=int)
   p.add_argument("-E", "--experts", help="comma-separated, e.g. 8,64")
-  p.add_argument("--mesh", help="EXPERTxDATA, e.g. 8x1 (default: all devices on expert)")
+  p.add_argument(
+    "--mesh",
+    help="EXPERTxDATA, e.g. 8x1, or named axes AXIS=SIZE,... from expert, tensor, data, "
+    "expert first, laid out in the order given (e.g. expert=8,tensor=8: each expert's F "
+    "split over tensor, MoEConfig.expert_tensor_axis; expert=8,data=8 --fsdp data). "
+    "Tokens are split over every axis. Default: all devices on expert",
+  )
+  p.add_argument(
+    "--fsdp",
+    metavar="AXIS",
+    help="store the last dimension of every expert weight matrix split over this --mesh axis "
+    "(MoEConfig.expert_fsdp_axis; not expert or tensor), e.g. data. Layer level only",
+  )
+  p.add_argument(
+    "--shared-experts",
+    type=int,
+    default=0,
+    metavar="N",
+    help="layer level: N shared SwiGLU experts of width F on every token "
+    "(MoEConfig.num_shared_experts; default 0)",
+  )
+  p.add_argument(
+    "--model-layers",
+    type=int,
+    default=0,
+    metavar="L",
+    help="also report, per device, the weights, gradients (the weights' dtype) and Adam "
+    "state (2 x float32) of L such layers, from the parameters' shardings",
+  )
   p.add_argument(
     "--dtype", choices=("float32", "bfloat16"), help="default float32 (bfloat16 with --tpu)"
   )
@@ -280,8 +308,28 @@ def settings(a):
     raise UsageError(f"--num-processes must be >= 1 (got {a.num_processes})")
   if a.devices is not None and a.devices < 1:
     raise UsageError(f"--devices must be >= 1 (got {a.devices})")
-  if a.mesh is not None:
-    mesh_sizes(a.mesh)
+  axes = dict(mesh_axes(a.mesh)) if a.mesh is not None else {EXPERT_AXIS: None}
+  s["expert_tensor_axis"] = TENSOR_AXIS if TENSOR_AXIS in axes else None
+  s["expert_fsdp_axis"] = a.fsdp
+  if a.fsdp is not None and (a.fsdp not in axes or a.fsdp in (EXPERT_AXIS, TENSOR_AXIS)):
+    others = [n for n in axes if n not in (EXPERT_AXIS, TENSOR_AXIS)]
+    raise UsageError(
+      f"--fsdp must name a --mesh axis other than {EXPERT_AXIS} and {TENSOR_AXIS} "
+      f"(got {a.fsdp!r}; such axes here: {', '.join(others) or 'none'})"
+    )
+  if (s["expert_tensor_axis"] or a.fsdp) and "kernel" in s["levels"]:
+    raise UsageError(
+      "a tensor axis or --fsdp splits the experts' SwiGLU weights: --levels layer only "
+      "(the kernel level runs one [D, F] matrix per expert)"
+    )
+  if a.shared_experts < 0:
+    raise UsageError(f"--shared-experts must be >= 0 (got {a.shared_experts})")
+  if a.shared_experts and "kernel" in s["levels"]:
+    raise UsageError("--shared-experts is a layer setting: --levels layer only")
+  s["shared_experts"] = a.shared_experts
+  if a.model_layers < 0:
+    raise UsageError(f"--model-layers must be >= 0 (got {a.model_layers})")
+  s["model_layers"] = a.model_layers
   return s
 
 
@@ -300,15 +348,50 @@ def _check_writable(flag, value, path):
     )
 
 
-def mesh_sizes(spec):
-  """ "8x1" -> (8, 1): devices on the expert axis and on the data axis."""
-  try:
-    n_e, n_d = (int(v) for v in spec.split("x"))
-  except ValueError:
-    n_e = n_d = 0
-  if n_e < 1 or n_d < 1:
-    raise UsageError(f"--mesh must be EXPERTxDATA with positive sizes, e.g. 8x1 (got {spec!r})")
-  return n_e, n_d
+# The mesh axes `--mesh` can name (`ms.EXPERT`, `ms.DATA`, and the expert tensor axis).
+EXPERT_AXIS, DATA_AXIS, TENSOR_AXIS = "expert", "data", "tensor"
+
+
+def mesh_axes(spec):
+  """The mesh of `--mesh`, as ((name, size), ...) in layout order.
+
+  "8x1" -> (("expert", 8), ("data", 1)); "expert=8,tensor=8" -> (("expert", 8), ("tensor",
+  8)). Named axes come from expert, tensor and data, each at most once, expert first (the
+  benchmark's host accounting numbers devices expert-major).
+
+  Raises:
+    UsageError: any other spec.
+  """
+  if "=" not in spec:
+    try:
+      n_e, n_d = (int(v) for v in spec.split("x"))
+    except ValueError:
+      n_e = n_d = 0
+    if n_e < 1 or n_d < 1:
+      raise UsageError(
+        f"--mesh must be EXPERTxDATA with positive sizes, e.g. 8x1, or named axes, e.g. "
+        f"expert=8,tensor=8 (got {spec!r})"
+      )
+    return ((EXPERT_AXIS, n_e), (DATA_AXIS, n_d))
+  names = (EXPERT_AXIS, TENSOR_AXIS, DATA_AXIS)
+  axes = []
+  for item in spec.split(","):
+    name, _, size = item.partition("=")
+    name = name.strip()
+    try:
+      size = int(size)
+    except ValueError:
+      size = 0
+    if name not in names or size < 1:
+      raise UsageError(
+        f"--mesh axes must be AXIS=SIZE with AXIS from {', '.join(names)} and SIZE >= 1 "
+        f"(got {item!r} in {spec!r})"
+      )
+    axes.append((name, size))
+  seen = [n for n, _ in axes]
+  if len(set(seen)) < len(seen) or seen[0] != EXPERT_AXIS:
+    raise UsageError(f"--mesh must name each axis at most once, {EXPERT_AXIS} first (got {spec!r})")
+  return tuple(axes)
 
 
 def _impl_names():

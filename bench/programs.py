@@ -6,7 +6,8 @@ A case is (level, E, routing) at one size on one mesh:
     routing drawn by `common.synthetic_routing`.
   * level "layer": `moe_layer` (router + dispatch + SwiGLU experts + combine), the router
     biased so that its top-k follows the same skew (a constant input feature whose router
-    row is the log-popularity of each expert).
+    row is the log-popularity of each expert; the other rows score every expert alike,
+    `equal_logit_columns`).
 
 Implementations come from the table in `bench/impls.py`: each is a dispatch (a library
 name or a function of the dispatch signature), run through `moe_layer` at layer level and
@@ -50,6 +51,10 @@ class Size:
   capacity_factor: float = 1.25  # jit_gshard_einsum only
   zipf_s: float = 1.2
   chunk_size: int | None = None  # all_to_all's C_first (None: the library's default)
+  # Layer level: MoEConfig.expert_tensor_axis and expert_fsdp_axis (axes of the mesh).
+  expert_tensor_axis: str | None = None
+  expert_fsdp_axis: str | None = None
+  num_shared_experts: int = 0  # layer level: dense SwiGLU experts of width F on every token
   # The layer's router (MoEConfig fields): sigmoid scores, group-limited top-k, scaling.
   score_func: str = "softmax"
   num_groups: int = 1
@@ -64,7 +69,8 @@ class Case:
   Attributes:
     args: the program arguments (arrays, or ShapeDtypeStructs with shardings).
     experts_TK: np.int32[T, K] the routing, on the host (for trip counts and bounds).
-    routed_flops: FLOPs of the routed work, forward (x3 with the backward).
+    routed_flops: FLOPs of the routed work, forward (x3 with the backward); at layer level
+      the router's, the K experts' of every token and its shared experts'.
     bound_bytes: the cost model's lower bound on bytes sent per device, forward.
   """
 
@@ -89,6 +95,21 @@ def check_combination(size, E, mesh, level):
     raise ValueError(f"top-k ({size.K}) must be <= experts ({E})")
   if size.T % mesh.size:
     raise ValueError(f"tokens ({size.T}) must be divisible by the mesh size ({mesh.size})")
+  for field, axis, dim, n in (
+    ("expert_tensor_axis", size.expert_tensor_axis, "d_ff", size.F),
+    ("expert_fsdp_axis", size.expert_fsdp_axis, "d_ff", size.F),  # gate and up's last dim
+    ("expert_fsdp_axis", size.expert_fsdp_axis, "d_model", size.D),  # down's last dim
+  ):
+    if axis is None:
+      continue
+    if level != "layer":
+      raise ValueError(f"{field} splits the layer's SwiGLU experts: layer level only")
+    if axis not in mesh.axis_names:
+      raise ValueError(f"{field} {axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    if n % mesh.shape[axis]:
+      raise ValueError(
+        f"{dim} ({n}) must be divisible by the {axis} axis of the mesh ({mesh.shape[axis]})"
+      )
   if level == "layer" and size.D < 2:
     raise ValueError(
       f"d_model must be >= 2 at layer level, where feature 0 carries the "
@@ -114,6 +135,9 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     num_groups=size.num_groups,
     top_k_groups=size.top_k_groups,
     routed_scaling=size.routed_scaling,
+    expert_tensor_axis=size.expert_tensor_axis,
+    expert_fsdp_axis=size.expert_fsdp_axis,
+    num_shared_experts=size.num_shared_experts,
   )
   tok = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   rng = np.random.default_rng(seed)
@@ -164,7 +188,8 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   x = rng.standard_normal((B, T // B, D), np.float32) if whole else draw(B, T // B, D)
   if whole:
     x[..., 0] = 1.0  # a constant feature: its router row biases the routing
-  router = rng.standard_normal((D, E), np.float32) / np.sqrt(D)
+  router = rng.standard_normal((D, E), np.float32)
+  router[1:] = equal_logit_columns(router[1:])
   router[0] = np.clip(
     common.routing_log_popularity(routing, E, K, num_devices=N, zipf_s=size.zipf_s, seed=seed),
     -30,
@@ -188,8 +213,34 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     else sampled_top_k(rng, router, B, T // B, K, size)
   )
   args = (params, put(x, tok, dtype), put(draw(B, T // B, D), tok, dtype))
-  routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * K
+  routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * (K + size.num_shared_experts)
   return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg)
+
+
+def equal_logit_columns(w_RE):
+  """Router columns under which x ~ N(0, 1) scores every expert alike: w_RE's columns made
+  orthonormal (R >= E) or, with fewer rows than experts, of unit norm.
+
+  The logits x @ w of x_TR ~ N(0, 1) have covariance w.T @ w. With orthonormal columns they
+  are independent N(0, 1), so with a zero bias every expert is equally likely to be chosen.
+  Columns of a Gaussian draw scaled by 1/sqrt(R) have norms spread by about sqrt(2/R), and
+  the top-k favours the experts with the widest logits, far more than their norms differ:
+  such a "uniform" routing loads its busiest expert well past a uniform draw's busiest, and
+  past the receive buffers the dispatches size for uniform routing.
+
+  Args:
+    w_RE: float[R, E] a Gaussian draw.
+
+  Returns:
+    np.float32[R, E].
+  """
+  w_RE = np.asarray(w_RE, np.float64)
+  if w_RE.shape[0] >= w_RE.shape[1]:
+    q_RE, r_EE = np.linalg.qr(w_RE)
+    w_RE = q_RE * np.sign(np.diag(r_EE))  # a Haar-distributed orthonormal frame
+  else:
+    w_RE = w_RE / np.linalg.norm(w_RE, axis=0, keepdims=True)
+  return w_RE.astype(np.float32)
 
 
 def host_top_k(x_TD, router_DE, k, dtype, size=None):

@@ -152,7 +152,8 @@ def markdown(rows, info, argv, s):
   return (
     f"# moe_shard benchmark\n\n`{' '.join(argv)}`\n\n"
     f"T={r0['T']} tokens in all, D={r0['D']}, F={r0['F']}, K={r0['K']}, {r0['dtype']}, "
-    f"mesh {r0['mesh']} (expert x data), {where}. Machine: {info['cpu']}, "
+    + (f"{r0['shared_experts']} shared expert(s), " if r0.get("shared_experts") else "")
+    + f"mesh {mesh_text(rows)}, {where}. Machine: {info['cpu']}, "
     f"{info['cores']} cores, JAX {info['jax']}, malloc: "
     f"{info.get('malloc', 'not recorded')}, load average "
     f"{info['load_average_1min']:.1f} at start. Layer level: router + dispatch + SwiGLU "
@@ -161,8 +162,59 @@ def markdown(rows, info, argv, s):
     + headline(rows)
     + "\n## Every row\n\n"
     + table(rows)
+    + ("\n## Memory per device\n\n" + memory_section(rows) if memory_section(rows) else "")
     + hbm_sections(rows)
   )
+
+
+def mesh_text(rows):
+  """The mesh of the rows in words: "8x1 (expert x data)", or the named axes, e.g.
+  "expert=8,data=8, expert weights' D stored split over data"."""
+  out = []
+  for mesh, fsdp in dict.fromkeys((r["mesh"], r.get("expert_fsdp_axis")) for r in rows):
+    text = f"{mesh} (expert x data)" if "=" not in mesh else mesh
+    if "tensor=" in mesh:
+      text += ", each expert's F split over tensor"
+    if fsdp:
+      text += f", expert weights' D stored split over {fsdp}"
+    out.append(text)
+  return "; ".join(out)
+
+
+def memory_section(rows):
+  """Per-device memory of the rows that record the layer's parameters: as stored, the
+  compiled program's arguments and temp, and (with --model-layers) a model of such layers'
+  weights, gradients and Adam state. Empty when no row has them."""
+  rows = [r for r in rows if "param_bytes" in r and "error" not in r]
+  if not rows:
+    return ""
+  layers = any("model_state_bytes" in r for r in rows)
+  head = "| T | E | mode | impl | params MiB | arguments MiB | temp MiB |"
+  if layers:
+    head += " model: weights / grads / Adam GB | model total GB |"
+  out = [head, "|" + "---|" * (head.count("|") - 1)]
+  for r in rows:
+    line = (
+      f"| {r['T']} | {r['E']} | {r['mode']} | {r['impl']} | {r['param_bytes'] / 2**20:.1f} | "
+      f"{r['argument_bytes'] / 2**20:.1f} | {r['temp_bytes'] / 2**20:.1f} |"
+    )
+    if layers:
+      m = r.get("model_state_bytes")
+      line += (
+        f" {m['weights'] / 1e9:.1f} / {m['grads'] / 1e9:.1f} / {m['adam'] / 1e9:.1f} | "
+        f"{m['total'] / 1e9:.1f} |"
+        if m
+        else " - | - |"
+      )
+    out.append(line)
+  n = max((r["model_state_bytes"]["layers"] for r in rows if "model_state_bytes" in r), default=0)
+  note = (
+    f"\n(per device; params: the layer's parameters as stored; model: {n} such layers, "
+    "gradients in the weights' dtype, Adam's two moments in float32, no activations)\n"
+    if layers
+    else "\n(per device; params: the layer's parameters as stored)\n"
+  )
+  return "\n".join(out) + "\n" + note
 
 
 def hbm_sections(rows):

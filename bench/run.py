@@ -13,7 +13,7 @@ import re
 import sys
 import time
 
-from bench.flags import UsageError, mesh_sizes
+from bench.flags import UsageError, mesh_axes
 
 
 def ask_for_devices(count, num_processes):
@@ -51,24 +51,34 @@ def backend_started():
 
 
 def make_mesh(spec, devices):
-  """The (expert, data) Auto mesh of `--mesh` ("8x1"; default: every device on expert)."""
+  """The Auto mesh of `--mesh`: ("expert", "data") for "8x1" (default: every device on
+  expert), or the named axes of "expert=8,tensor=8" in that order (`flags.mesh_axes`)."""
   import jax
   import numpy as np
 
-  import moe_shard as ms
-
-  n = len(devices)
-  n_e, n_d = mesh_sizes(spec) if spec else (n, 1)
-  if n_e * n_d > n:
+  axes = mesh_axes(spec) if spec else (("expert", len(devices)), ("data", 1))
+  names, sizes = zip(*axes)
+  need = int(np.prod(sizes))
+  if need > len(devices):
     hint = (
       ""
       if spec is None
       else "; JAX was initialised with fewer devices, or set "
       "XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts"
     )
-    raise UsageError(f"mesh {n_e}x{n_d} needs {n_e * n_d} devices, found {n}{hint}")
-  grid = np.array(devices[: n_e * n_d], dtype=object).reshape(n_e, n_d)
-  return jax.sharding.Mesh(grid, (ms.EXPERT, ms.DATA), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    raise UsageError(f"mesh {mesh_label(axes)} needs {need} devices, found {len(devices)}{hint}")
+  grid = np.array(devices[:need], dtype=object).reshape(sizes)
+  return jax.sharding.Mesh(grid, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def mesh_label(axes):
+  """How rows name a mesh, from ((name, size), ...) or a `Mesh`: "8x1" for (expert, data),
+  "expert=8,tensor=8" for any other axes."""
+  if hasattr(axes, "shape"):
+    axes = tuple(axes.shape.items())
+  if tuple(n for n, _ in axes) == ("expert", "data"):
+    return "x".join(str(v) for _, v in axes)
+  return ",".join(f"{n}={v}" for n, v in axes)
 
 
 class Progress:
@@ -114,6 +124,9 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
           capacity_factor=a.capacity_factor,
           zipf_s=a.zipf_s,
           chunk_size=a.chunk_size,
+          expert_tensor_axis=s.get("expert_tensor_axis"),
+          expert_fsdp_axis=s.get("expert_fsdp_axis"),
+          num_shared_experts=s.get("shared_experts", 0),
           **s["router"],
         ),
         (lv, E, r),
@@ -134,7 +147,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   per_case = n_prog + (n_prog if tpu_topology else s["repeats"] + 2)
   bar = Progress(len(cases) * per_case, progress_enabled)
   rows = []
-  mesh_name = "x".join(str(mesh.shape[k]) for k in mesh.axis_names)
+  mesh_name = mesh_label(mesh)
   for size, (level, E, routing) in cases:
     malloc.release_freed_memory()  # the last case's buffers, kept by a reusing malloc
     case = progs.make_case(level, E, routing, size, mesh, abstract=bool(tpu_topology), seed=a.seed)
@@ -142,6 +155,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
     case_rows = []
     kept = {}
     routing_bound = accounting.routing_bound_bytes(case)
+    stored = param_bytes(case.args[0]) if level == "layer" else None
     for impl in s["impls"]:
       fns, impl_args = progs.programs_and_args(case, impl)
       acc = BENCH_IMPLS[impl].accounting(case, on_tpu=bool(tpu_topology))
@@ -163,6 +177,8 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
           dtype=size.dtype,
           mesh=mesh_name,
           devices=mesh.size,
+          **({"expert_fsdp_axis": size.expert_fsdp_axis} if size.expert_fsdp_axis else {}),
+          **({"shared_experts": size.num_shared_experts} if size.num_shared_experts else {}),
           **({"topology": tpu_topology} if tpu_topology else {}),
         )
         t0 = time.perf_counter()
@@ -190,6 +206,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         wire = sum(c["wire_bytes"] for c in coll.values())
         passes_bytes = 1 if mode == "fwd" else 2  # forward, and the backward's reverse
         bound = case.bound_bytes * passes_bytes
+        memory = measure.memory_bytes(compiled)
         row = dict(
           base,
           compile_s=compile_s,
@@ -202,11 +219,17 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
             wire / (routing_bound * passes_bytes) if routing_bound else None
           ),
           collectives={k: c["wire_bytes"] for k, c in coll.items()},
-          temp_bytes=measure.memory_bytes(compiled)["temp"],
+          temp_bytes=memory["temp"],
+          argument_bytes=memory["argument"],
+          output_bytes=memory["output"],
           rounds=rounds,
           dropped=dropped,
           **({"loop_counted_once": True} if approx else {}),
         )
+        if stored and BENCH_IMPLS[impl].programs is None:  # the layer's own parameters
+          row.update(param_bytes=stored["bytes"], param_elems=stored["elems"])
+          if s.get("model_layers"):
+            row["model_state_bytes"] = model_state_bytes(stored, s["model_layers"])
         if tpu_topology:
           from bench import hbm
 
@@ -237,6 +260,33 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
     _efficiency(case_rows)
     rows += case_rows
   return rows
+
+
+def param_bytes(params):
+  """What one device stores of `params` (arrays or ShapeDtypeStructs with shardings):
+  {"bytes", "elems"}, summed over the leaves' shard shapes."""
+  import jax
+  import numpy as np
+
+  out = {"bytes": 0, "elems": 0}
+  for leaf in jax.tree.leaves(params):
+    n = int(np.prod(leaf.sharding.shard_shape(leaf.shape)))
+    out["bytes"] += n * np.dtype(leaf.dtype).itemsize
+    out["elems"] += n
+  return out
+
+
+def model_state_bytes(stored, layers):
+  """Per device, a model of `layers` such layers: {"layers", "weights", "grads", "adam",
+  "total"}, in bytes but the first.
+
+  Weights as stored (`param_bytes`), gradients in the weights' dtypes, Adam's two moments in
+  float32 (8 bytes per parameter); activations not included.
+  """
+  w = stored["bytes"] * layers
+  out = {"layers": layers, "weights": w, "grads": w, "adam": 8 * stored["elems"] * layers}
+  out["total"] = out["weights"] + out["grads"] + out["adam"]
+  return out
 
 
 def seconds(row):

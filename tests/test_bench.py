@@ -14,7 +14,18 @@ import numpy as np
 import pytest
 
 import moe_shard as ms
-from bench import ROUTINGS, accounting, baselines, cli, common, impls, measure, reference, report
+from bench import (
+  ROUTINGS,
+  accounting,
+  baselines,
+  cli,
+  common,
+  flags,
+  impls,
+  measure,
+  reference,
+  report,
+)
 from bench import programs as progs
 from bench import run as bench_run
 
@@ -354,6 +365,125 @@ def test_output_under_a_file_fails_before_the_run(flag, tmp_path, monkeypatch, c
 def test_output_that_is_a_folder_fails_before_the_run(tmp_path, monkeypatch, capsys):
   err = _usage_error_before_any_run(monkeypatch, capsys, ["--json", str(tmp_path)])
   assert err == f"--json would write {tmp_path}, which is a folder (got {str(tmp_path)!r})"
+
+
+@pytest.mark.parametrize(
+  "spec, axes",
+  [
+    ("8x1", (("expert", 8), ("data", 1))),
+    ("4x2", (("expert", 4), ("data", 2))),
+    ("expert=4,tensor=2", (("expert", 4), ("tensor", 2))),
+    ("expert=2,data=2,tensor=2", (("expert", 2), ("data", 2), ("tensor", 2))),
+  ],
+)
+def test_mesh_flag_takes_sizes_or_named_axes(spec, axes):
+  assert flags.mesh_axes(spec) == axes
+  mesh = bench_run.make_mesh(spec, jax.devices())
+  assert tuple(mesh.shape.items()) == axes
+  assert bench_run.mesh_label(mesh) == spec
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--mesh", "tensor=2,expert=4"], "--mesh must name each axis at most once, expert first"),
+    (["--mesh", "expert=4,expert=2"], "--mesh must name each axis at most once, expert first"),
+    (["--mesh", "expert=4,model=2"], "--mesh axes must be AXIS=SIZE with AXIS from expert, "),
+    (["--mesh", "expert=4,data=0"], "(got 'data=0' in 'expert=4,data=0')"),
+    (["--mesh", "expert=4,data=2", "--fsdp", "tensor"], "--fsdp must name a --mesh axis"),
+    (["--fsdp", "data"], "(got 'data'; such axes here: none)"),
+    (["--mesh", "expert=4,tensor=2", "--levels", "kernel"], "--levels layer only"),
+    (["--model-layers", "-1"], "--model-layers must be >= 0 (got -1)"),
+    (["--shared-experts", "1", "--levels", "kernel"], "--levels layer only"),
+  ],
+)
+def test_bad_mesh_axes_fail_before_the_run(argv, message, monkeypatch, capsys):
+  assert message in _usage_error_before_any_run(monkeypatch, capsys, argv)
+
+
+def test_split_axes_reach_the_layer_config_and_the_stored_bytes():
+  """A tensor axis splits each expert's F, --fsdp its matrices' last dimension: the case's
+  config names them and each device stores 1/2 of the expert weights; the router stays
+  whole."""
+  a = flags.parser().parse_args(
+    [*SMALL_ARGS, "--mesh", "expert=4,tensor=2", "--levels", "layer", "--model-layers", "3"]
+  )
+  s = flags.settings(a)
+  assert (s["expert_tensor_axis"], s["expert_fsdp_axis"], s["model_layers"]) == ("tensor", None, 3)
+  s = flags.settings(flags.parser().parse_args([*SMALL_ARGS, "--mesh", "4x2", "--fsdp", "data"]))
+  assert (s["expert_tensor_axis"], s["expert_fsdp_axis"]) == (None, "data")
+  D, F, E = SMALL.D, SMALL.F, 8
+  router = D * E * 4
+  experts = 3 * E * D * F * 4  # gate, up, down in float32
+  for spec, split in [
+    ("4x2", {}),
+    ("expert=4,tensor=2", dict(expert_tensor_axis="tensor")),
+    ("4x2", dict(expert_fsdp_axis="data")),
+  ]:
+    mesh = bench_run.make_mesh(spec, jax.devices())
+    size = dataclasses.replace(SMALL, **split)
+    case = progs.make_case("layer", E, "uniform", size, mesh, abstract=True)
+    assert (case.cfg.expert_tensor_axis, case.cfg.expert_fsdp_axis) == (
+      split.get("expert_tensor_axis"),
+      split.get("expert_fsdp_axis"),
+    )
+    stored = bench_run.param_bytes(case.args[0])
+    assert stored["bytes"] == router + experts // 4 // (2 if split else 1)
+    model = bench_run.model_state_bytes(stored, 3)
+    assert model["weights"] == model["grads"] == 3 * stored["bytes"]
+    assert model["adam"] == 3 * 8 * stored["elems"]
+  s = flags.settings(flags.parser().parse_args([*SMALL_ARGS, "--shared-experts", "1"]))
+  assert s["shared_experts"] == 1
+  mesh = bench_run.make_mesh("8x1", jax.devices())
+  plain, shared = (
+    progs.make_case("layer", E, "uniform", dataclasses.replace(SMALL, num_shared_experts=n), mesh)
+    for n in (0, 1)
+  )
+  assert shared.cfg.num_shared_experts == 1 and shared.args[0].shared is not None
+  assert shared.routed_flops - plain.routed_flops == 3 * 2 * D * F * SMALL.T
+  with pytest.raises(ValueError, match="d_ff \\(20\\) must be divisible by the tensor axis"):
+    progs.check_combination(
+      dataclasses.replace(SMALL, F=20, expert_tensor_axis="tensor"),
+      8,
+      bench_run.make_mesh("expert=1,tensor=8", jax.devices()),
+      "layer",
+    )
+
+
+def test_memory_table_and_mesh_words():
+  row = dict(
+    T=64,
+    E=8,
+    mode="fwd",
+    impl="all_to_all",
+    mesh="expert=8,data=8",
+    expert_fsdp_axis="data",
+    param_bytes=3 * 2**20,
+    argument_bytes=5 * 2**20,
+    temp_bytes=7 * 2**20,
+    model_state_bytes=bench_run.model_state_bytes({"bytes": 2e9, "elems": 1e9}, 2),
+  )
+  lines = report.memory_section([row]).splitlines()
+  assert lines[2] == "| 64 | 8 | fwd | all_to_all | 3.0 | 5.0 | 7.0 | 4.0 / 4.0 / 16.0 | 24.0 |"
+  assert "model: 2 such layers" in lines[-1]
+  assert report.memory_section([dict(row, error="did not compile")]) == ""
+  assert report.mesh_text([row]) == "expert=8,data=8, expert weights' D stored split over data"
+  assert report.mesh_text([dict(mesh="8x1")]) == "8x1 (expert x data)"
+
+
+def test_uniform_layer_routing_loads_every_expert_alike(mesh8):
+  """The layer's router scores every expert alike (orthonormal columns): at E=64, K=2 over
+  65536 items the busiest expert stays within 4 standard deviations of the mean, as under
+  a uniform draw; the norms of a plain Gaussian draw's columns would skew the loads."""
+  size = dataclasses.replace(SMALL, T=32768, D=128)
+  case = progs.make_case("layer", 64, "uniform", size, mesh8, abstract=True)
+  load = np.bincount(case.experts_TK.ravel(), minlength=64)
+  mean = 32768 * 2 / 64
+  assert load.max() < mean + 4 * np.sqrt(mean) and load.min() > mean - 4 * np.sqrt(mean)
+  w = progs.equal_logit_columns(np.random.default_rng(0).standard_normal((128, 64)))
+  np.testing.assert_allclose(w.T @ w, np.eye(64), atol=1e-5)
+  w = progs.equal_logit_columns(np.random.default_rng(0).standard_normal((16, 64)))
+  np.testing.assert_allclose(np.linalg.norm(w, axis=0), 1.0, rtol=1e-5)
 
 
 def test_tpu_compile_for_v5e(capsys):
