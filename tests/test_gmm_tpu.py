@@ -37,13 +37,19 @@ def _group_ids(group_sizes, M):
 
 
 @functools.cache
-def _fwd_bwd(preferred_element_type=None, tiling=None):
+def _fwd_bwd(preferred_element_type=None, tiling=None, vmem_limit_bytes=None):
   """A jitted (x, w, gs, dy) -> (y, dx, dw); one compile per shape and dtype."""
 
   def f(x, w, gs, dy):
     y, vjp = jax.vjp(
       lambda x, w: gmm_tpu.megablox_gmm(
-        x, w, gs, preferred_element_type=preferred_element_type, tiling=tiling, interpret=True
+        x,
+        w,
+        gs,
+        preferred_element_type=preferred_element_type,
+        tiling=tiling,
+        vmem_limit_bytes=vmem_limit_bytes,
+        interpret=True,
       ),
       x,
       w,
@@ -53,12 +59,21 @@ def _fwd_bwd(preferred_element_type=None, tiling=None):
   return jax.jit(f)
 
 
-def check(M, D, F, group_sizes, dtype=jnp.float32, preferred_element_type=None, tiling=None):
+def check(
+  M,
+  D,
+  F,
+  group_sizes,
+  dtype=jnp.float32,
+  preferred_element_type=None,
+  tiling=None,
+  vmem_limit_bytes=None,
+):
   out_dtype = dtype if preferred_element_type is None else preferred_element_type
   x, w, dy = _inputs(M, D, F, len(group_sizes), dtype)
   dy = dy.astype(out_dtype)  # the cotangent has y's dtype
   gs = jnp.asarray(group_sizes, jnp.int32)
-  y, dx, dw = _fwd_bwd(preferred_element_type, tiling)(x, w, gs, dy)
+  y, dx, dw = _fwd_bwd(preferred_element_type, tiling, vmem_limit_bytes)(x, w, gs, dy)
   ids = _group_ids(group_sizes, M)
   want_y = oracle.moe(x, w, ids)
   want_dx, want_dw, _ = oracle.moe_grads(x, w, ids, None, dy)
@@ -104,6 +119,23 @@ def test_several_tiles_match_oracle():
   # 3 row tiles of 128 (300 rows padded to 384), two D tiles and two F tiles (200 and 130
   # padded to 256); group 0 and group 2 share the first tile's boundary row 100.
   check(300, 200, 130, [100, 0, 150], tiling=(128, 128, 128))
+
+
+def test_full_width_tiles_match_oracle():
+  # One D tile and one F tile (200 and 130 padded to 256), as the rule picks where VMEM
+  # allows: consecutive row tiles of a group share w's block, the rows are read once.
+  check(300, 200, 130, [100, 0, 150], tiling=(128, 256, 256))
+
+
+def test_tiles_under_a_vmem_limit_match_oracle():
+  # An explicit VMEM limit: the default tiles are then full width (256 x 256 x 256 here),
+  # and megablox is traced with the limit in its compiler parameters.
+  assert gmm_tpu.default_tiling(300, 200, 130, jnp.float32, num_groups=3, vmem_limit=96 << 20) == (
+    256,
+    256,
+    256,
+  )
+  check(300, 200, 130, [100, 0, 150], vmem_limit_bytes=96 << 20)
 
 
 def test_bfloat16_matches_oracle():
@@ -198,9 +230,14 @@ def test_compiles_for_tpu_in_shard_map():
   assert "all-reduce" in text
   # gmm, gmm^T, tgmm, each declaring 2*m*k*n FLOPs on the padded per-device problem
   # (45 -> 128 rows, 8 and 12 -> 128 columns): what `bench.gmm_tpu.kernel_costs` reads.
-  from bench.gmm_tpu import kernel_costs
+  from bench.gmm_tpu import fetched_bytes, kernel_costs
 
   assert [f for f, _ in kernel_costs(text)] == [2 * 128**3] * 3
+  # Their declared bytes are the formula `fetched_bytes` sets beside what is fetched (the
+  # formula does not depend on the sizes' values; 6 groups, one 128-row tile).
+  sizes, tiles = [10, 0, 20, 0, 3, 4], (128, 128, 128)
+  want = [fetched_bytes(k, sizes, 128, 128, 128, tiles, 2, 2)[1] for k in ("gmm", "gmm", "tgmm")]
+  assert sorted(b for _, b in kernel_costs(text)) == sorted(want)
 
 
 @pytest.mark.parametrize("impl", ["all_to_all", "ragged_all_to_all", "all_gather"])
@@ -244,25 +281,125 @@ def test_default_tpu_backend_in_scan_over_layers_training(impl):
 # --- the tiling rule ------------------------------------------------------------------------
 
 
+MIB = 2**20
+
+
 @pytest.mark.parametrize(
-  "M,D,F,dtype,G,want",
+  "M,D,F,dtype,G,limit,want",
   [
-    (8192, 2048, 4096, jnp.bfloat16, 1, (512, 1024, 1024)),
-    (8192, 2048, 4096, jnp.bfloat16, 8, (512, 1024, 1024)),  # 7 * 512 <= 3/4 * 8192
-    (8192, 2048, 4096, jnp.bfloat16, 13, (512, 1024, 1024)),
-    (8192, 2048, 4096, jnp.bfloat16, 14, (256, 1024, 1024)),  # 13 * 512 > 3/4 * 8192
-    (8192, 2048, 4096, jnp.bfloat16, 32, (256, 1024, 1024)),
-    (8192, 2048, 4096, jnp.float32, 1, (512, 512, 1024)),  # f32: halve tk to fit VMEM
-    (45, 8, 12, jnp.float32, 6, (128, 128, 128)),  # tiny: one padded tile each
-    (300, 384, 640, jnp.bfloat16, 2, (256, 384, 640)),  # divisors of 3 and 5 lanes
+    # Mosaic's default limit (a target not known, e.g. interpret mode): 12 MiB of blocks.
+    (8192, 2048, 4096, jnp.bfloat16, 1, None, (512, 1024, 1024)),
+    (8192, 2048, 4096, jnp.bfloat16, 8, None, (512, 1024, 1024)),  # 7 * 512 <= 3/4 * 8192
+    (8192, 2048, 4096, jnp.bfloat16, 13, None, (512, 1024, 1024)),
+    (8192, 2048, 4096, jnp.bfloat16, 14, None, (256, 1024, 1024)),  # 13 * 512 > 3/4 * 8192
+    (8192, 2048, 4096, jnp.bfloat16, 32, None, (256, 1024, 1024)),
+    (8192, 2048, 4096, jnp.float32, 1, None, (512, 512, 1024)),  # f32: halve tk to fit VMEM
+    (45, 8, 12, jnp.float32, 6, None, (128, 128, 128)),  # tiny: one padded tile each
+    (300, 384, 640, jnp.bfloat16, 2, None, (256, 384, 640)),  # divisors of 3 and 5 lanes
+    # v5e, v6e (96 MiB limit): full width; 1024 rows where boundaries and padding are few.
+    (8192, 2048, 4096, jnp.bfloat16, 1, 96 * MIB, (1024, 2048, 4096)),
+    (32768, 2048, 4096, jnp.bfloat16, 2, 96 * MIB, (1024, 2048, 4096)),
+    (8192, 2048, 4096, jnp.bfloat16, 3, 96 * MIB, (512, 2048, 4096)),  # 2 * 1024 > 8192 / 8
+    (9216, 2048, 4096, jnp.bfloat16, 8, 96 * MIB, (512, 2048, 4096)),
+    (8192, 2048, 4096, jnp.bfloat16, 14, 96 * MIB, (256, 2048, 4096)),
+    (8192, 2048, 4096, jnp.float32, 1, 96 * MIB, (1024, 2048, 2048)),
+    # v5p, TPU7x (48 MiB): tgmm's [D, F] block does not fit whole; F halved.
+    (9216, 2048, 4096, jnp.bfloat16, 8, 48 * MIB, (512, 2048, 2048)),
+    (8192, 2048, 4096, jnp.bfloat16, 1, 48 * MIB, (512, 2048, 2048)),  # 1024 would lower tn
   ],
 )
-def test_default_tiling(M, D, F, dtype, G, want):
-  got = gmm_tpu.default_tiling(M, D, F, dtype, num_groups=G)
+def test_default_tiling(M, D, F, dtype, G, limit, want):
+  got = gmm_tpu.default_tiling(M, D, F, dtype, num_groups=G, vmem_limit=limit)
   assert got == want
   tm, tk, tn = got
   assert -(-D // 128) * 128 % tk == 0 and -(-F // 128) * 128 % tn == 0
-  assert gmm_tpu.vmem_bytes(tm, tk, tn, jnp.dtype(dtype).itemsize) <= gmm_tpu.VMEM_BUDGET
+  used = gmm_tpu.vmem_bytes(tm, tk, tn, jnp.dtype(dtype).itemsize)
+  assert used <= gmm_tpu.vmem_budget(limit) and (limit is None or used < limit)
+
+
+@pytest.mark.parametrize(
+  "kind,want",
+  [
+    ("TPU v5 lite", 96 * MIB),
+    ("TPU v6 lite", 96 * MIB),
+    ("TPU v5", 48 * MIB),
+    ("TPU7x", 48 * MIB),
+    ("TPU v4", None),  # 16 MiB: Mosaic's default already
+    ("cpu", None),
+    (None, None),
+  ],
+)
+def test_vmem_limit_per_generation(kind, want):
+  assert gmm_tpu.vmem_limit(kind) == want
+
+
+def _lowered_for(topology, tiling=None):
+  """megablox_gmm's forward and backward in a shard_map over `topology`, lowered (not
+  compiled): the StableHLO text."""
+  pytest.importorskip("libtpu")
+  from jax.experimental import topologies
+
+  devs = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+  mesh = jax.sharding.Mesh(np.array(devs), ("x",))
+
+  def body(x, w, gs, dy):
+    assert gmm_tpu.target_device_kind() == devs[0].device_kind
+    y, vjp = jax.vjp(lambda x, w: gmm_tpu.megablox_gmm(x, w, gs[0], tiling=tiling), x, w)
+    return (y, *vjp(dy))
+
+  f = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x")), out_specs=(P("x"), P("x"), P())
+    )
+  )
+  n = len(devs)
+  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=NamedSharding(mesh, spec)
+  )
+  return (
+    f.lower(
+      sds((n * 256, 256), jnp.bfloat16, P("x")),
+      sds((4, 256, 512), jnp.bfloat16, P()),
+      sds((n, 4), jnp.int32, P("x")),
+      sds((n * 256, 512), jnp.bfloat16, P("x")),
+    )
+    .as_text()
+    .replace("\\22", '"')
+  )  # the custom calls' backend_config JSON, unescaped
+
+
+def test_fetched_bytes_follow_the_block_indices():
+  """`bench.gmm_tpu.fetched_bytes`: a block is copied when its index changes between grid
+  steps. M=1024 rows in 256-row tiles, K=256, N=512, bf16, groups [300, 0, 724]: tiles
+  0, 1 (shared by groups 0 and 2), 1, 2, 3 are visited."""
+  from bench.gmm_tpu import fetched_bytes
+
+  sizes, M, K, N, b = [300, 0, 724], 1024, 256, 512, 2
+  x, y, w = M * K * b, M * N * b, K * N * b  # x and y whole, one group's w
+  # Full width: x, y once (tile 1 twice in a row: kept), w once per non-empty group.
+  fetched, declared = fetched_bytes("gmm", sizes, M, K, N, (256, K, N), b, b)
+  assert fetched == x + 2 * w + y
+  assert declared == x + w * (M // 256 + 3 - 1) + y  # megablox: w per possible row tile
+  # Two K tiles: every step moves to a new x and w block; the output stays per row tile.
+  fetched, _ = fetched_bytes("gmm", sizes, M, K, N, (256, 128, N), b, b)
+  assert fetched == 5 * (256 * K * b) + 5 * w + y
+  # Two N tiles, one K tile: x read twice over, w once per group and N tile.
+  fetched, _ = fetched_bytes("gmm", sizes, M, K, N, (256, K, 256), b, b)
+  assert fetched == 2 * x + 2 * w + y
+  # tgmm, full width: x and dy once, each group's dw written once (the empty one too).
+  fetched, declared = fetched_bytes("tgmm", sizes, M, K, N, (256, K, N), b, b)
+  assert fetched == declared == x + y + 3 * w
+
+
+def test_vmem_limit_reaches_the_kernels_of_the_generation_traced_for():
+  """In a shard_map over v5e devices the three kernels carry v5e's VMEM limit (96 MiB);
+  over v4 devices, the same shapes and tiles, none (Mosaic's default): the megablox trace
+  made under one limit is not reused under the other."""
+  limit = '"scoped_memory_configs": [{"memory_space":1, "offset": 0, "size": %d}]'
+  v5e = _lowered_for("v5e:2x4", tiling=(128, 256, 512))
+  assert v5e.count(limit % (96 * MIB)) == 3
+  v4 = _lowered_for("v4:2x2x1", tiling=(128, 256, 512))
+  assert v4.count("tpu_custom_call") >= 3 and "scoped_memory_configs" not in v4
 
 
 # --- errors ---------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ group boundary inside a tile. What megablox does not take as is:
   * D, F: zero-padded to multiples of the column tiles (multiples of 128, the MXU's width);
     y and dw are sliced back. The padding copies x and w on every call: keep D and F
     multiples of 128 (model widths are) and no copy is made.
+  * VMEM: megablox sets no VMEM limit (Mosaic's default, 16 MiB on v5e, of v5e's 128 MiB)
+    and takes none; the limit of the TPU generation traced for (`vmem_limit`) is added to
+    the compiler parameters it builds while it traces, and the tiles grow to fill it
+    (`default_tiling`).
   * Rows past sum(group_sizes): megablox never writes them (uninitialised; NaN in interpret
     mode), so y and dx are zeroed with a `where` (fused into y's consumer by XLA). Group
     sizes are clipped to end by M: rows past M belong to no group.
@@ -30,11 +34,15 @@ aliased output); neither is part of this backend's contract.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib
+import threading
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from moe_shard.kernels.pallas import (
   check_inputs,
@@ -53,10 +61,29 @@ _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 LANES = 128  # width of the MXU and of a vector register: tk, tn are multiples of it
 MAX_ROW_TILE = 512
 ROW_TILE = 256
-MAX_COL_TILE = 1024
-# Of the 16 MiB of VMEM Mosaic lets a kernel use by default on v5e; Mosaic adds ~1 MiB
-# (compiled at D=2048, F=4096 the three kernels use 11.3-13.4 MiB).
-VMEM_BUDGET = 12 * 2**20
+BIG_ROW_TILE = 1024  # for few, large groups (see `default_tiling`)
+MiB = 2**20
+# VMEM per TensorCore, by the device kind JAX reports: the table of the Pallas "TPU Hardware
+# Reference", https://docs.jax.dev/en/latest/pallas/tpu/hardware.html (v4 16 MiB, v5e
+# 128 MiB, v5p 64 MiB, v6e 128 MiB, TPU7x 64 MiB; made from `pltpu`'s TpuInfo).
+VMEM_CAPACITY = {
+  "TPU v4": 16 * MiB,
+  "TPU v4 lite": 16 * MiB,
+  "TPU v5 lite": 128 * MiB,
+  "TPU v5e": 128 * MiB,
+  "TPU v5": 64 * MiB,
+  "TPU v5p": 64 * MiB,
+  "TPU v6 lite": 128 * MiB,
+  "TPU v6e": 128 * MiB,
+  "TPU7x": 64 * MiB,
+}
+# Mosaic's scoped VMEM limit for a kernel that sets none (16 MiB on v4 and v5e): what a
+# generation not in VMEM_CAPACITY, or a trace that does not know its target, keeps.
+DEFAULT_VMEM_LIMIT = 16 * MiB
+# The blocks' share of a kernel's VMEM limit: Mosaic adds its own scratch (compiled at
+# D=2048, F=4096 with 512 x 1024 x 1024 tiles the three kernels use 11.3-13.4 MiB of the
+# 16 MiB against `vmem_bytes`' 10-12 MiB).
+VMEM_BUDGET = 12 * 2**20  # of DEFAULT_VMEM_LIMIT
 DTYPES = (jnp.bfloat16, jnp.float32)  # what megablox's kernels accept
 
 
@@ -79,60 +106,182 @@ def vmem_bytes(tm, tk, tn, itemsize):
   return max(fwd, dx, dw)
 
 
-def default_tiling(M, D, F, dtype, *, num_groups=1):
+def target_device_kind():
+  """The device kind of the TPU the program being traced is for, or None.
+
+  The surrounding mesh's devices (a `jax.shard_map`'s mesh, or `jax.set_mesh`'s), else the
+  default backend's first device. An ahead-of-time compile for a TPU topology on a CPU host
+  is known inside a shard_map over the topology's devices only.
+  """
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is None:
+    device = jax.devices()[0]
+  return device.device_kind if device.platform == "tpu" else None
+
+
+def vmem_limit(device_kind):
+  """The VMEM limit the kernels get on a TPU of `device_kind` (None: Mosaic's default).
+
+  Three quarters of the generation's VMEM (`VMEM_CAPACITY`), the rest left to Mosaic's
+  internal scratch; never below Mosaic's default. v5e and v6e: 96 MiB; v5p, TPU7x: 48 MiB.
+  """
+  capacity = VMEM_CAPACITY.get(device_kind)
+  if capacity is None or capacity * 3 // 4 <= DEFAULT_VMEM_LIMIT:
+    return None
+  return capacity * 3 // 4
+
+
+def vmem_budget(limit):
+  """The bytes `vmem_bytes` may reach under a VMEM limit (None: Mosaic's default): 3/4 of
+  it at the default (`VMEM_BUDGET`), the limit less 8 MiB above it."""
+  return VMEM_BUDGET if limit is None else limit - 8 * MiB
+
+
+def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None):
   """Picks megablox's tiles (tm, tk, tn) for x: dtype[M, D] and w: dtype[G, D, F].
 
-  Rule: tm = 512 rows if (G - 1) * 512 <= 3M/4, else 256, at most M rounded up to 128.
-  Why: each row tile reads its group's whole w[g] from HBM, 2*tm*D*F FLOPs per 2*D*F bytes
-  (bf16), tm FLOP/byte against v5e's ~240 (197 TFLOP/s / 819 GB/s); with x and y traffic a
-  256-row tile is HBM-bound and takes ~0.64 of a 512-row one (D=2048, F=4096). But each
-  group boundary inside a tile costs one more tile (up to G - 1): (M/512 + G - 1) * 1 and
-  (M/256 + G - 1) * 0.64 cross at (G - 1) * 512 ~ 0.8 M. tk, tn: the largest multiple of
-  128 dividing D (F) rounded up to 128, at most 1024 (fewer re-reads of x, fewer grid
-  steps), the larger one lowered until `vmem_bytes` fits VMEM_BUDGET (f32: tk = 512).
+  Columns: tk and tn start at full width (D and F rounded up to 128) and the larger one is
+  lowered, to the next multiple of 128 that divides its width, until `vmem_bytes` fits
+  `vmem_budget(vmem_limit)`. Full width reads everything once: with tk = D (one contraction
+  tile), consecutive row tiles of a group ask for the same w[g] block, which the Pallas
+  pipeline keeps in VMEM instead of fetching it again (it copies a block only when its
+  index changes between grid steps; https://docs.jax.dev/en/latest/pallas/tpu/sparse.html),
+  so w is read once per group, not once per row tile; with tn = F, x is read once, not
+  F / tn times. The dx and dw kernels take the same tiles (tgmm's dw[g] block is then the
+  whole [D, F] matrix, its largest VMEM use). Under Mosaic's default limit this gives
+  1024 x 1024 at D=2048, F=4096 in bf16 (512 x 1024 in f32); under v5e's and v6e's 96 MiB,
+  the full 2048 x 4096.
+
+  Rows: tm = 512 if (G - 1) * 512 <= 3M/4, else 256; 1024 if the padding and the tiles
+  split by group boundaries cost at most M/8 rows ((G - 1) * 1024 + padding <= M / 8) and
+  VMEM allows; at most M rounded up to 128. Why: each group boundary inside a row tile
+  costs one more tile (up to G - 1), which the kernel multiplies in full; and when w is
+  fetched per row tile (tk < D), each row tile reads its group's whole w[g]: 2*tm*D*F FLOPs
+  per 2*D*F bytes (bf16), tm FLOP/byte against v5e's ~240 (197 TFLOP/s / 819 GB/s); with x
+  and y traffic a 256-row tile is HBM-bound and takes ~0.64 of a 512-row one (D=2048,
+  F=4096): (M/512 + G - 1) * 1 and (M/256 + G - 1) * 0.64 cross at (G - 1) * 512 ~ 0.8 M.
 
   Args:
     M, D, F: problem sizes (ints).
     dtype: the inputs' dtype (its size sets the VMEM use).
     num_groups: G (default 1).
+    vmem_limit: the kernels' VMEM limit in bytes (default None: Mosaic's default; see
+      `vmem_limit`).
 
   Returns:
     (tm, tk, tn): ints, multiples of 128.
   """
   b = jnp.dtype(dtype).itemsize
+  budget = vmem_budget(vmem_limit)
+  rows = round_up(max(M, 1), LANES)
   tm = MAX_ROW_TILE if 4 * (num_groups - 1) * MAX_ROW_TILE <= 3 * M else ROW_TILE
-  tm = min(tm, round_up(max(M, 1), LANES))
-  tk, tn = _lane_tile(D, MAX_COL_TILE), _lane_tile(F, MAX_COL_TILE)
-  while vmem_bytes(tm, tk, tn, b) > VMEM_BUDGET and max(tk, tn) > LANES:
-    if tk >= tn:
-      tk = _lane_tile(D, tk - LANES)
-    else:
-      tn = _lane_tile(F, tn - LANES)
+  big = BIG_ROW_TILE
+  if 8 * ((num_groups - 1) * big + round_up(max(M, 1), big) - M) <= M:
+    tm = big
+  tm = min(tm, rows)
+
+  def columns(tm):
+    tk, tn = round_up(max(D, 1), LANES), round_up(max(F, 1), LANES)
+    while vmem_bytes(tm, tk, tn, b) > budget and max(tk, tn) > LANES:
+      if tk >= tn:
+        tk = _lane_tile(D, tk - LANES)
+      else:
+        tn = _lane_tile(F, tn - LANES)
+    return tk, tn
+
+  tk, tn = columns(tm)
+  if tm == big and (tk, tn) != columns(MAX_ROW_TILE):
+    tm = min(MAX_ROW_TILE, rows)  # a 1024-row tile only where it keeps the columns
+    tk, tn = columns(tm)
   return tm, tk, tn
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
-  with no_vma_check():
-    y_QF = _mb.gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret=interpret)
+class _PltpuWithVmemLimit:
+  """`jax.experimental.pallas.tpu` whose `CompilerParams` set `vmem_limit_bytes`."""
+
+  def __init__(self, limit):
+    self._limit = limit
+
+  def __getattr__(self, name):
+    return getattr(pltpu, name)
+
+  def CompilerParams(self, *args, **kwargs):  # the name megablox calls
+    return pltpu.CompilerParams(*args, vmem_limit_bytes=self._limit, **kwargs)
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _vmem_limit_for_megablox(limit):
+  """While megablox traces, its kernels get VMEM limit `limit` (None: no change).
+
+  megablox builds its `pltpu.CompilerParams` itself, without a VMEM limit and with no
+  argument for one: its module's `pltpu` is replaced, while it traces, by one that adds
+  the limit (under a lock, restored after). Its functions are jitted with the tiling
+  static, so the tiling passed with a limit is a `_Tiles` that holds it: a trace under
+  one limit is never reused under another.
+  """
+  if limit is None:
+    yield
+    return
+  with _PATCH_LOCK:
+    setattr(_mb, "pltpu", _PltpuWithVmemLimit(limit))  # noqa: B010 - a module global
+    try:
+      yield
+    finally:
+      setattr(_mb, "pltpu", pltpu)  # noqa: B010
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+  """A tiling for megablox (which calls it with (m, k, n)) keyed also by the VMEM limit."""
+
+  tm: int
+  tk: int
+  tn: int
+  vmem_limit: int | None
+
+  def __call__(self, m, k, n):
+    del m, k, n
+    return self.tm, self.tk, self.tn
+
+
+def _tiles(tiling, limit):
+  tm, tk, tn = tiling
+  return (tm, tk, tn) if limit is None else _Tiles(tm, tk, tn, limit)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit, interpret):
+  with no_vma_check(), _vmem_limit_for_megablox(vmem_limit):
+    y_QF = _mb.gmm(
+      x_QD, w_GDF, group_sizes_G, out_dtype, _tiles(tiling, vmem_limit), interpret=interpret
+    )
   (y_QF,) = vary_like(_varying_axes(x_QD), y_QF)
   return zero_past_groups(y_QF, group_sizes_G)
 
 
-def _gmm_fwd(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret):
-  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, interpret)
+def _gmm_fwd(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit, interpret):
+  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit, interpret)
   return y_QF, (x_QD, w_GDF, group_sizes_G)
 
 
-def _gmm_bwd(out_dtype, tiling, interpret, res, dy_QF):
+def _gmm_bwd(out_dtype, tiling, vmem_limit, interpret, res, dy_QF):
   del out_dtype
   x_QD, w_GDF, group_sizes_G = res
   tm, tk, tn = tiling
   dy_QF = dy_QF.astype(x_QD.dtype)  # bf16 in, bf16 products (f32 accumulation)
-  with no_vma_check():
+  with no_vma_check(), _vmem_limit_for_megablox(vmem_limit):
     # dx = dy @ w[g]^T: contraction over F (tile tn), output columns over D (tile tk).
     dx_QD = _mb.gmm(
-      dy_QF, w_GDF, group_sizes_G, x_QD.dtype, (tm, tn, tk), transpose_rhs=True, interpret=interpret
+      dy_QF,
+      w_GDF,
+      group_sizes_G,
+      x_QD.dtype,
+      _tiles((tm, tn, tk), vmem_limit),
+      transpose_rhs=True,
+      interpret=interpret,
     )
     # dw[g] = x[rows of g]^T @ dy[rows of g]; every group written, empty ones with zeros.
     dw_GDF = _mb.tgmm(
@@ -140,7 +289,7 @@ def _gmm_bwd(out_dtype, tiling, interpret, res, dy_QF):
       dy_QF,
       group_sizes_G,
       w_GDF.dtype,
-      tiling,
+      _tiles(tiling, vmem_limit),
       num_actual_groups=w_GDF.shape[0],
       interpret=interpret,
     )
@@ -152,7 +301,14 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def megablox_gmm(
-  x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, tiling=None, interpret=False
+  x_MD,
+  w_GDF,
+  group_sizes_G,
+  *,
+  preferred_element_type=None,
+  tiling=None,
+  vmem_limit_bytes=None,
+  interpret=False,
 ):
   """Multiplies each group of rows by its group's matrix with megablox's TPU kernels.
 
@@ -163,8 +319,11 @@ def megablox_gmm(
       sizes are clipped to end by M). Not differentiable.
     preferred_element_type: dtype of y (default None: the dtype of `x_MD`). Products
       accumulate in float32 either way.
-    tiling: (tm, tk, tn) row, D and F tiles (default None: `default_tiling`); tm a positive
-      multiple of 8, tk and tn multiples of 128.
+    tiling: (tm, tk, tn) row, D and F tiles (default None: `default_tiling` for the VMEM
+      limit); tm a positive multiple of 8, tk and tn multiples of 128.
+    vmem_limit_bytes: the kernels' VMEM limit (default None: `vmem_limit` of the TPU
+      traced for, `target_device_kind()`; Mosaic's default where it is not known, and in
+      interpret mode).
     interpret: run the Pallas kernels in interpret mode, e.g. on CPU (default False).
 
   Returns:
@@ -174,15 +333,24 @@ def megablox_gmm(
   Raises:
     TypeError: `x_MD` not bfloat16/float32, non-float `w_GDF` or `preferred_element_type`,
       non-integer group sizes.
-    ValueError: bad ranks, mismatched D or G, bad tiling.
+    ValueError: bad ranks, mismatched D or G, bad tiling, a VMEM limit that is not a
+      positive int.
   """
   fn = "megablox_gmm"
   x_MD, w_GDF, group_sizes_G, out_dtype = check_inputs(
     fn, x_MD, w_GDF, group_sizes_G, DTYPES, "megablox's kernels", preferred_element_type
   )
   (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
+  if vmem_limit_bytes is None:
+    vmem_limit_bytes = None if interpret else vmem_limit(target_device_kind())
+  elif (
+    not isinstance(vmem_limit_bytes, int)
+    or isinstance(vmem_limit_bytes, bool)
+    or vmem_limit_bytes <= 0
+  ):
+    raise ValueError(f"{fn}: vmem_limit_bytes must be a positive int (got {vmem_limit_bytes!r})")
   if tiling is None:
-    tiling = default_tiling(M, D, F, x_MD.dtype, num_groups=G)
+    tiling = default_tiling(M, D, F, x_MD.dtype, num_groups=G, vmem_limit=vmem_limit_bytes)
   if (
     not isinstance(tiling, (tuple, list))
     or len(tiling) != 3
@@ -202,6 +370,6 @@ def megablox_gmm(
   Q, Dp, Fp = round_up(max(M, 1), tm), round_up(D, tk), round_up(F, tn)
   x_QD = jnp.pad(x_MD, ((0, Q - M), (0, Dp - D)))
   w_GDF = jnp.pad(w_GDF, ((0, 0), (0, Dp - D), (0, Fp - F)))
-  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, bool(interpret))
+  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit_bytes, bool(interpret))
   # JAX types a custom_vjp made with functools.partial as returning object.
   return y_QF[:M, :F]  # pyright: ignore[reportIndexIssue]
