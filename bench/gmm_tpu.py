@@ -15,6 +15,9 @@ topology and reports, from the compiled program:
     share is multiplied once per group, which the declared cost does not show.
   * bytes: XLA's "bytes accessed" (Pallas kernels: their declared bytes), temp: XLA's
     temp bytes, xla us: `cost_analysis()["optimal_seconds"]`.
+  * kernel bytes: megablox's declared bytes beside the bytes its block specs fetch for
+    these group sizes (`fetched_bytes`): its formula counts one w[g] per possible row tile,
+    which full-width tiles do not fetch.
 
 Every figure is a compile-time estimate. Writes `<out>/gmm_tpu_<gen>.md`.
 """
@@ -75,11 +78,93 @@ def kernel_rows(group_sizes_G, num_rows, tm):
   return int(tiles) * tm
 
 
-def _program(impl, mode, tiling):
+def _metadata(group_sizes_G, num_rows, tm, visit_empty_groups):
+  """megablox's grid metadata, as numpy: (group_ids, m_tile_ids) of its active tiles."""
+  (_, group_ids, m_tile_ids), tiles = _mb.make_group_metadata(
+    group_sizes=jnp.asarray(group_sizes_G, jnp.int32),
+    m=num_rows,
+    tm=tm,
+    start_group=jnp.int32(0),
+    num_nonzero_groups=len(group_sizes_G),
+    visit_empty_groups=visit_empty_groups,
+  )
+  n = int(tiles)
+  return np.asarray(group_ids)[:n], np.asarray(m_tile_ids)[:n]
+
+
+def _transfers(steps):
+  """Copies a Pallas TPU pipeline makes for one block spec: one per grid step whose block
+  index differs from the previous step's (an unchanged block stays in VMEM)."""
+  count, last = 0, None
+  for index in steps:
+    count += index != last
+    last = index
+  return count
+
+
+def fetched_bytes(kernel, group_sizes_G, num_rows, K, N, tiling, itemsize, out_itemsize):
+  """HBM bytes megablox's kernel moves by its block specs, for these group sizes.
+
+  Walks the kernel's grid in order and counts a block's bytes each time its index changes
+  between consecutive steps (inputs copied in, outputs written back), which is when the
+  Pallas TPU pipeline copies (https://docs.jax.dev/en/latest/pallas/tpu/sparse.html).
+  "gmm": y[m, n] = x[m, k] @ w[g, k, n], grid (n, active row tiles, k) ("gmm^T", dx =
+  dy @ w^T, has the same counts with w's block transposed). "tgmm": dw[g, k, n] =
+  x[m, k]^T @ dy[m, n], grid (n, k, active row tiles).
+
+  Args:
+    kernel: "gmm" or "tgmm".
+    group_sizes_G: the group sizes (ints).
+    num_rows: M, a multiple of tm.
+    K, N: the contraction and output widths of "gmm" (tgmm: dw's two dims), multiples of
+      the tiles.
+    tiling: (tm, tk, tn) as megablox takes it.
+    itemsize, out_itemsize: bytes per element of the inputs and of the output.
+
+  Returns:
+    (fetched, declared): the bytes the block specs move, and megablox's declared cost
+    estimate for the same call (gmm: x * N/tn + one w[g] per active tile + y; tgmm:
+    x * N/tn + dy * K/tk + dw).
+  """
+  tm, tk, tn = tiling
+  tiles_k, tiles_n = K // tk, N // tn
+  group_ids, m_tiles = _metadata(group_sizes_G, num_rows, tm, kernel == "tgmm")
+  G = len(group_sizes_G)
+  if kernel == "gmm":
+    grid = [
+      (n, (g, t), k)
+      for n in range(tiles_n)
+      for g, t in zip(group_ids, m_tiles)
+      for k in range(tiles_k)
+    ]
+    x = _transfers((t, k) for _, (_, t), k in grid) * tm * tk * itemsize
+    w = _transfers((g, k, n) for n, (g, _), k in grid) * tk * tn * itemsize
+    y = _transfers((t, n) for n, (_, t), _ in grid) * tm * tn * out_itemsize
+    max_tiles = num_rows // tm + G - 1
+    declared = (
+      num_rows * K * itemsize * tiles_n + K * N * itemsize * max_tiles + num_rows * N * out_itemsize
+    )
+    return x + w + y, declared
+  grid = [
+    (n, k, (g, t))
+    for n in range(tiles_n)
+    for k in range(tiles_k)
+    for g, t in zip(group_ids, m_tiles)
+  ]
+  x = _transfers((t, k) for _, k, (_, t) in grid) * tm * tk * itemsize
+  dy = _transfers((t, n) for n, _, (_, t) in grid) * tm * tn * itemsize
+  dw = _transfers((g, k, n) for n, k, (g, _) in grid) * tk * tn * out_itemsize
+  declared = (
+    num_rows * K * itemsize * tiles_n + num_rows * N * itemsize * tiles_k + G * K * N * out_itemsize
+  )
+  return x + dy + dw, declared
+
+
+def _program(impl, mode, tiling, vmem_limit=None):
   def gmm(x, w, gs):
     if impl == "ragged_dot":
       return jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
-    return gmm_tpu.megablox_gmm(x, w, gs, tiling=tiling)
+    return gmm_tpu.megablox_gmm(x, w, gs, tiling=tiling, vmem_limit_bytes=vmem_limit)
 
   if mode == "fwd":
     return gmm
@@ -91,23 +176,34 @@ def _program(impl, mode, tiling):
   return fwd_bwd
 
 
+def _kernel_bytes(mode, group_sizes_G, tiling):
+  """(fetched, declared) bytes of megablox's kernels in one pass (`fetched_bytes`)."""
+  tm, tk, tn = tiling
+  calls = [("gmm", D, F, (tm, tk, tn))]
+  if mode == "fwd+bwd":
+    calls += [("gmm", F, D, (tm, tn, tk)), ("tgmm", D, F, tiling)]
+  out = [fetched_bytes(k, group_sizes_G, M, kk, n, t, 2, 2) for k, kk, n, t in calls]
+  return sum(f for f, _ in out), sum(d for _, d in out)
+
+
 def run(topology, groups):
   dev = tpu.devices(topology)[0]
-  s = NamedSharding(Mesh(np.array([dev]), ("x",)), P())
+  mesh = Mesh(np.array([dev]), ("x",))
+  s = NamedSharding(mesh, P())
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=s)
+  limit = gmm_tpu.vmem_limit(dev.device_kind)
   cases = [
     (G, impl, mode, None)
     for G in groups
     for impl in ("megablox", "ragged_dot")
     for mode in ("fwd", "fwd+bwd")
   ]
-  # The other row tile, to show what the tiling rule trades: at G=8, 256-row tiles read w
-  # twice as often; at G=32, 512-row tiles over 256-row groups multiply every row twice.
+  # The tiles of Mosaic's default VMEM limit (what a generation not known gets), beside.
   cases += [
-    (G, "megablox", "fwd", ((256 if tm == 512 else 512), tk, tn))
+    (G, "megablox", "fwd+bwd", tiles)
     for G in groups
-    if G in (8, 32)
-    for tm, tk, tn in [gmm_tpu.default_tiling(M, D, F, jnp.bfloat16, num_groups=G)]
+    for tiles in [gmm_tpu.default_tiling(M, D, F, jnp.bfloat16, num_groups=G)]
+    if tiles != gmm_tpu.default_tiling(M, D, F, jnp.bfloat16, num_groups=G, vmem_limit=limit)
   ]
   rows = []
   for G, impl, mode, tiling in cases:
@@ -116,14 +212,17 @@ def run(topology, groups):
     if mode == "fwd+bwd":
       args.append(sds((M, F), jnp.bfloat16))
     if impl == "megablox" and tiling is None:
-      tiling = gmm_tpu.default_tiling(M, D, F, jnp.bfloat16, num_groups=G)
+      tiling = gmm_tpu.default_tiling(M, D, F, jnp.bfloat16, num_groups=G, vmem_limit=limit)
     t0 = time.perf_counter()
-    compiled = jax.jit(_program(impl, mode, tiling)).lower(*args).compile()
+    # The mesh in context: megablox_gmm reads the TPU generation (its VMEM) from it.
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(_program(impl, mode, tiling)).lower(*args).compile()
     compile_s = time.perf_counter() - t0
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     routed = (2 if mode == "fwd" else 6) * M * D * F
     declared = kernel_costs(compiled.as_text())
+    fetched, formula = _kernel_bytes(mode, gs, tiling) if tiling else (None, None)
     row = {
       "G": G,
       "impl": impl,
@@ -134,6 +233,9 @@ def run(topology, groups):
       "kernel_flops": sum(f for f, _ in declared),
       "kernels": len(declared),
       "kernel_rows_ratio": (kernel_rows(gs, M, tiling[0]) / M if tiling else None),
+      "kernel_bytes": sum(b for _, b in declared),
+      "kernel_bytes_formula": formula,
+      "kernel_bytes_fetched": fetched,
       "bytes": float(ca.get("bytes accessed", 0.0)),
       "temp": int(compiled.memory_analysis().temp_size_in_bytes),
       "xla_s": float(ca.get("optimal_seconds", -1.0)),
@@ -147,8 +249,9 @@ def run(topology, groups):
 
 HEADER = (
   "| G | impl | tiling | pass | flops/routed | kernel flops/routed | kernel rows/M | "
-  "bytes GB | temp MiB | xla us | compile s |\n"
-  "|---|---|---|---|---|---|---|---|---|---|---|"
+  "bytes GB | kernel bytes GB, declared | kernel bytes GB, fetched | temp MiB | xla us | "
+  "compile s |\n"
+  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -157,14 +260,18 @@ def _row_md(r):
   kr = f"{r['kernel_rows_ratio']:.2f}" if r["kernel_rows_ratio"] is not None else ""
   kf = f"{r['kernel_ratio']:.3f} ({r['kernels']})" if r["kernels"] else "0 (0)"
   xla = f"{r['xla_s'] * 1e6:.0f}" if r["xla_s"] >= 0 else "n/a"
+  fetched = r["kernel_bytes_fetched"]
+  kb = f"{r['kernel_bytes'] / 1e9:.2f}" if r["kernels"] and fetched is not None else ""
+  kf_bytes = f"{fetched / 1e9:.2f}" if fetched is not None else ""
   return (
     f"| {r['G']} | {r['impl']} | {tiling} | {r['mode']} | {r['flops_ratio']:.3f} | "
-    f"{kf} | {kr} | {r['bytes'] / 1e9:.2f} | {r['temp'] / 2**20:.1f} | {xla} | "
-    f"{r['compile_s']:.1f} |"
+    f"{kf} | {kr} | {r['bytes'] / 1e9:.2f} | {kb} | {kf_bytes} | {r['temp'] / 2**20:.1f} | "
+    f"{xla} | {r['compile_s']:.1f} |"
   )
 
 
 def to_markdown(rows, topology, argv, seconds):
+  limit = gmm_tpu.vmem_limit(tpu.devices(topology)[0].device_kind)
   return "\n".join(
     [
       f"# Grouped matmul compiled for TPU {topology}, one chip: compile-time estimates",
@@ -179,12 +286,21 @@ def to_markdown(rows, topology, argv, seconds):
       "declare. kernel flops/routed: the declared FLOPs of the tpu_custom_calls (their "
       "number in parentheses). kernel rows/M: rows megablox's kernels multiply for these "
       "group sizes (its own tile metadata) over M, the FLOPs they would execute over the "
-      "routed ones. bytes: XLA's bytes accessed. temp: XLA temp bytes. xla us: "
+      "routed ones. bytes: XLA's bytes accessed. kernel bytes, declared: the bytes the "
+      "tpu_custom_calls declare (megablox's formula, part of bytes); fetched: the bytes "
+      "their block specs move for these group sizes, a block counted each time its index "
+      "changes between grid steps (`fetched_bytes`). temp: XLA temp bytes. xla us: "
       "cost_analysis optimal_seconds (n/a: XLA could not cost an instruction). "
       "megablox's bytes include one pass over y (and dx) that zeroes the rows past the "
       "groups' total: an elementwise `where` that XLA fuses into y's consumer in a model, "
       "but that is the program's last op here. ragged_dot returns f32 then casts to "
       'bf16 (as `grouped_matmul(impl="ragged_dot")` does): its 128 MiB temp.',
+      "",
+      f"Tiles: `default_tiling` under the VMEM limit `vmem_limit` gives this generation "
+      f"({'Mosaic default' if limit is None else f'{limit // 2**20} MiB'}); the last rows "
+      "take the tiles of Mosaic's default limit (what a generation not known gets), for "
+      "comparison. compile s is the wall time of the ahead-of-time compile on this host "
+      "(2 cores shared with other jobs): read it as a ratio between rows of one run.",
       "",
       HEADER,
       *[_row_md(r) for r in rows],
