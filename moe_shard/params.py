@@ -101,10 +101,10 @@ def moe_param_specs(cfg: MoEConfig) -> MoEParams:
   split over it (gate and up by columns, down by rows, the input biases); with
   `cfg.expert_fsdp_axis`, the last dimension of each of their matrices (F of gate and up,
   after the tensor axis; D of down): `P("expert", None, ("tensor", "data"))` for a gate,
-  `P("expert", "tensor", "data")` for a down. The router, the router biases and the shared gate are replicated. Each spec has
-  one entry per array dimension (`P("expert", None, None)`, `P(None, None)`, `P(None)`), as
-  Flax's partition metadata needs. For a stack of layers (a leading layer axis), prepend
-  None: `jax.tree.map(lambda s: P(None, *s), specs)`.
+  `P("expert", "tensor", "data")` for a down. The router, the router biases and the shared
+  gate are replicated. Each spec has one entry per array dimension (`P("expert", None,
+  None)`, `P(None, None)`, `P(None)`), as Flax's partition metadata needs. For a stack of
+  layers (a leading layer axis), prepend None: `jax.tree.map(lambda s: P(None, *s), specs)`.
 
   Args:
     cfg: `MoEConfig`.

@@ -27,7 +27,7 @@ def shared_mlp(shared: SwiGLU, x_TD: jax.Array, *, mesh, tensor_axis, fsdp_axis)
     x_TD: f[T, D] tokens.
     mesh: the layer's mesh.
     tensor_axis: None or the axis splitting F.
-    fsdp_axis: None or the axis splitting D.
+    fsdp_axis: None or the axis splitting each matrix's last dimension.
 
   Returns:
     f32[T, D], split over every mesh axis.
