@@ -16,8 +16,8 @@ if "xla_force_host_platform_device_count" not in _flags:
   _flags += " --xla_force_host_platform_device_count=8"
 # The 8 simulated devices are threads of one process on 2 cores, shared with the other test
 # worker: a device can wait long at a collective's rendezvous for a peer that is not
-# scheduled. XLA:CPU aborts the whole process after 40 s there by default (a CI run lost a
-# worker that way in tests/test_training.py); wait up to 10 minutes instead.
+# scheduled. XLA:CPU aborts the whole process after 40 s there by default; wait up to 10
+# minutes instead.
 if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
   _flags += (
     " --xla_cpu_collective_call_terminate_timeout_seconds=600"
