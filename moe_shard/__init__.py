@@ -39,6 +39,7 @@ from moe_shard.experts import (
   GeluMLP,
   GroupedMatmul,
   Linear,
+  MaskedMatmul,
   SwiGLU,
 )
 from moe_shard.kernels.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
@@ -88,6 +89,7 @@ __all__ = [
   "GeluMLP",
   "GroupedMatmul",
   "Linear",
+  "MaskedMatmul",
   "MoEConfig",
   "MoEParams",
   "Router",

@@ -118,6 +118,41 @@ class GroupedMatmul:
     return (y_MF.astype(jnp.float32) + b_MF.astype(jnp.float32)).astype(y_MF.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskedMatmul:
+  """The matmul of one local expert, its rows in any order: `x @ w[0]` on the rows where
+  `valid_M`, zeros elsewhere.
+
+  With one group a grouped matmul is a dense one. Masking the rows, instead of sorting the
+  padding past the group, leaves the FFN plain matmuls and elementwise ops, which XLA fuses
+  (the SwiGLU's elementwise into the matmuls), forward and backward. The padding rows of x
+  must be finite (the dispatches' are zeros): their products are computed, then masked.
+
+  Attributes:
+    valid_M: bool[M] the rows that hold an item; the others are padding.
+    out_dtype: dtype of the products (default None: the dtype of x); they accumulate in
+      float32.
+  """
+
+  valid_M: Array
+  out_dtype: jnp.dtype | None = None
+
+  def __call__(
+    self, x_MD: Float[Array, "M D"], w_GDF: Float[Array, "G D F"]
+  ) -> Float[Array, "M F"]:
+    """`y[m] = x[m] @ w[0]` where `valid_M[m]`, zeros elsewhere."""
+    if w_GDF.ndim != 3 or w_GDF.shape[0] != 1:
+      raise ValueError(f"MaskedMatmul: w_GDF must be [1, D, F] (got {tuple(w_GDF.shape)})")
+    out = x_MD.dtype if self.out_dtype is None else self.out_dtype
+    y_MF = jnp.dot(x_MD, w_GDF[0].astype(x_MD.dtype), preferred_element_type=out)
+    return jnp.where(self.valid_M[:, None], y_MF, jnp.zeros((), y_MF.dtype))
+
+  def add_bias(self, y_MF: Float[Array, "M F"], b_GF: Float[Array, "G F"]) -> Float[Array, "M F"]:
+    """`y[m] + b[0]` where `valid_M[m]`; padding rows stay as they are."""
+    b_MF = jnp.where(self.valid_M[:, None], b_GF[0].astype(jnp.float32), 0.0)
+    return (y_MF.astype(jnp.float32) + b_MF).astype(y_MF.dtype)
+
+
 def _affine(matmul, x_MD, w, b, name):
   """`x @ w (+ b)` through the dispatch's matmul, named `name` for remat policies."""
   y_MF = matmul(x_MD, w)

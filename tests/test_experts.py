@@ -231,6 +231,32 @@ def test_grouped_matmul_bias_reaches_only_the_rows_of_each_group():
   np.testing.assert_array_equal(db, [ct[0] + ct[1], [0, 0], ct[2] + ct[3] + ct[4], ct[5]])
 
 
+def test_masked_matmul_multiplies_the_valid_rows_only():
+  """`MaskedMatmul`: valid rows get x @ w[0] (+ b[0]), padding rows zeros, in any order;
+  the gradients of x, w and b against numpy, padding rows contributing nothing."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(6, 3)).astype(np.float32)
+  w = rng.normal(size=(1, 3, 2)).astype(np.float32)
+  b = rng.normal(size=(1, 2)).astype(np.float32)
+  ct = rng.normal(size=(6, 2)).astype(np.float32)
+  valid = np.array([True, False, True, True, False, True])
+  mm = ms.MaskedMatmul(jnp.asarray(valid))
+  f = lambda x, w, b: mm.add_bias(mm(x, w), b)
+  y = f(x, w, b)
+  keep = valid[:, None].astype(np.float64)
+  want = keep * (x.astype(np.float64) @ w[0] + b[0])
+  np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(y)[~valid], 0.0)
+  dx, dw, db = jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(x, w, b)
+  np.testing.assert_allclose(dx, keep * (ct @ w[0].T), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dw[0], x.T @ (keep * ct), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(db[0], (keep * ct).sum(0), rtol=1e-5, atol=1e-6)
+  with pytest.raises(
+    ValueError, match=re.escape("MaskedMatmul: w_GDF must be [1, D, F] (got (2, 3, 2))")
+  ):
+    mm(x, jnp.zeros((2, 3, 2)))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_padding_rows_stay_zero_through_every_biased_ffn(name):
   """Rows past sum(group_sizes) are zeros in and get no bias, so they come out as zeros
@@ -423,6 +449,29 @@ def test_layer_on_a_mesh_matches_the_model(name):
   if name == "clamped_swiglu":
     cfg = dataclasses.replace(cfg, swiglu_alpha=CLAMP["alpha"], swiglu_limit=CLAMP["limit"])
   check_layer(cfg, mesh, layer_draw(name, bias=True))
+
+
+# One expert per device (8 experts on 8 devices) with gmm_impl "auto": all_to_all and
+# ragged_all_to_all run each product as a `MaskedMatmul` (unsorted rows, padding masked).
+ONE_EXPERT_CASES = {
+  "clamped_swiglu": dict(impl="all_to_all", chunk_size=1),
+  "swiglu": dict(impl="ragged_all_to_all", recv_capacity=3),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_EXPERT_CASES))
+def test_layer_with_one_expert_per_device_matches_the_model(name, monkeypatch):
+  mesh = jax.make_mesh((1, 8), (ms.DATA, ms.EXPERT), devices=jax.devices()[:8])
+  cfg = layer_config(expert_type=name, expert_bias=True, **ONE_EXPERT_CASES[name])
+  if name == "clamped_swiglu":
+    cfg = dataclasses.replace(cfg, swiglu_alpha=CLAMP["alpha"], swiglu_limit=CLAMP["limit"])
+  products = []
+  call = ms.MaskedMatmul.__call__
+  monkeypatch.setattr(
+    ms.MaskedMatmul, "__call__", lambda self, x, w: products.append(w.shape) or call(self, x, w)
+  )
+  check_layer(cfg, mesh, layer_draw(name, bias=True))
+  assert products and all(s[0] == 1 for s in products), products
 
 
 # --------------------------------------------------------------------------- errors

@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks, local
-from moe_shard.experts import GroupedMatmul, split_dims
+from moe_shard.experts import GroupedMatmul, MaskedMatmul, split_dims
 from moe_shard.remat import MOE_DISPATCH_RECV
 from moe_shard.sharding import (
   axis_size,
@@ -185,13 +185,18 @@ def local_experts(x_MD, ids_M, ffn_L, num_local, gmm_impl, tensor_axis=None):
     ids_M = jnp.pad(ids_M, (0, pad), constant_values=num_local)
     with jax.named_scope("tensor_gather"):
       x_MD, ids_M = (jax.lax.all_gather(a, tensor_axis, axis=0, tiled=True) for a in (x_MD, ids_M))
-  order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, num_local)
-  rank_M = local.inverse_permutation(order_M)
-  matmul = GroupedMatmul(group_sizes_L, gmm_impl, x_MD.dtype)
-  # Sorted even for one local expert: padding rows go last, past the group, and
-  # XLA:TPU's ragged-dot backward fails to compile when its one group is all M rows
-  # (RET_CHECK in mask_aggregator.cc, libtpu 0.0.42.1).
-  y_MF = local.move_rows(ffn_L(local.move_rows(x_MD, rank_M, order_M), matmul), order_M, rank_M)
+  if num_local == 1 and gmm_impl == "auto":
+    # One expert: dense matmuls with the padding rows masked, no sort (`MaskedMatmul`).
+    y_MF = ffn_L(x_MD, MaskedMatmul(ids_M == 0, x_MD.dtype))
+  else:
+    order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, num_local)
+    rank_M = local.inverse_permutation(order_M)
+    matmul = GroupedMatmul(group_sizes_L, gmm_impl, x_MD.dtype)
+    # Sorted even for one local expert (a backend named explicitly): padding rows go last,
+    # past the group, and XLA:TPU's ragged-dot backward fails to compile when its one group
+    # is all M rows (RET_CHECK in mask_aggregator.cc, libtpu 0.0.42.1).
+    x_MD = local.move_rows(x_MD, rank_M, order_M)
+    y_MF = local.move_rows(ffn_L(x_MD, matmul), order_M, rank_M)
   if tensor_axis is not None:
     with jax.named_scope("tensor_reduce_scatter"):
       y_MF = jax.lax.psum_scatter(y_MF, tensor_axis, scatter_dimension=0, tiled=True)[:M]

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks, local
 from moe_shard import plan as plan_lib
-from moe_shard.experts import ExpertFFN, GroupedMatmul
+from moe_shard.experts import ExpertFFN, GroupedMatmul, MaskedMatmul
 from moe_shard.parallel.common import (
   _prepare,
   gather_weights,
@@ -401,7 +401,11 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
     # padding (zeros in, zeros out: no bias).
     group_sizes_L = jnp.sum(recv_SL, axis=0)
     if cfg.tensor_axis is None:
-      out_CF = ffn_L(recv_CD, GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_ID.dtype))
+      if cfg.local_experts == 1 and cfg.gmm_impl == "auto":  # one expert: a dense matmul
+        matmul = MaskedMatmul(jnp.arange(C) < group_sizes_L[0], x_ID.dtype)
+      else:
+        matmul = GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_ID.dtype)
+      out_CF = ffn_L(recv_CD, matmul)
     else:  # the rows of every tensor rank, each buffer expert-major: ids from the sizes
       ends_L = jnp.cumsum(group_sizes_L)
       ids_C = jnp.searchsorted(ends_L, jnp.arange(C, dtype=ends_L.dtype), side="right")
