@@ -67,6 +67,41 @@ class Routing:
   probs_TE: Float[Array, "T E"]
 
 
+def _pick(a_TE, idx_TK):
+  """`a[t, idx[t, k]]` as a one-hot select and a sum over E (exact: one element plus zeros)."""
+  hit_TKE = idx_TK[:, :, None] == jnp.arange(a_TE.shape[1], dtype=idx_TK.dtype)
+  return jnp.sum(jnp.where(hit_TKE, a_TE[:, None, :], jnp.zeros((), a_TE.dtype)), axis=-1)
+
+
+# The routers' picks of k scores per token: their values as `lax.top_k` and a gather give
+# them, their derivatives through `_pick`, whose transpose is a select. The transpose of a
+# gather (and of `lax.top_k`'s values) is a scatter-add of T * K elements into [T, E], which
+# XLA:TPU runs as a sort, a gather and a sorted scatter: compiled for v5e, the layer's
+# forward+backward at 4096 tokens per chip and E=8 accessed 8.0 GB of HBM with it and 3.7 GB
+# without it, by XLA's count.
+@jax.custom_jvp
+def _top_k_values(a_TE, idx_TK, values_TK):
+  """`values_TK` (`lax.top_k(a_TE, k)`'s, bit for bit), differentiated through `_pick`."""
+  return values_TK
+
+
+@_top_k_values.defjvp
+def _top_k_values_jvp(primals, tangents):
+  _, idx_TK, values_TK = primals
+  return values_TK, _pick(tangents[0], idx_TK)
+
+
+@jax.custom_jvp
+def _take_columns(a_TE, idx_TK):
+  return jnp.take_along_axis(a_TE, idx_TK, axis=1)
+
+
+@_take_columns.defjvp
+def _take_columns_jvp(primals, tangents):
+  a_TE, idx_TK = primals
+  return _take_columns(a_TE, idx_TK), _pick(tangents[0], idx_TK)
+
+
 def top_k_routing(
   logits_TE: Float[Array, "T E"],
   k: int,
@@ -142,9 +177,10 @@ def top_k_routing(
   select_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(jnp.float32)
   if kept < G:
     select_TE = _limit_to_groups(select_TE, G, kept)
-  weights_TK, experts_TK = jax.lax.top_k(select_TE, k)
+  weights_TK, experts_TK = jax.lax.top_k(jax.lax.stop_gradient(select_TE), k)
+  weights_TK = _top_k_values(select_TE, experts_TK, weights_TK)
   if bias_E is not None or kept < G:
-    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=1)
+    weights_TK = _take_columns(scores_TE, experts_TK)
   if normalize:
     # tiny: a token whose k sigmoid scores all underflow gets zero weights, not NaN. A
     # softmax's k largest sum to >= k / E, so there this divides by the norm itself. The

@@ -58,6 +58,37 @@ def test_top_k_routing_unnormalized_weights_are_the_probabilities():
   assert np.all(np.sum(r.weights_TK, axis=1) < 1.0)
 
 
+@pytest.mark.parametrize(
+  "options",
+  [
+    {},
+    dict(bias_E=np.linspace(-0.1, 0.1, 8)),
+    dict(num_groups=4, top_k_groups=2),
+    dict(score_func="sigmoid"),
+  ],
+)
+def test_top_k_weights_gradient_is_a_select_not_a_scatter(options):
+  """The combine weights reach the scores' gradient through a one-hot select, with no
+  scatter in the backward (XLA:TPU's count charges a scatter-add into [T, E] gigabytes),
+  and it is the gradient of a gather: d weights[t, k] / d scores[t, e] = [e == experts[t, k]]."""
+  logits_TE = _distinct_logits(6, 8, seed=2)
+  ct_TK = np.random.default_rng(4).normal(size=(6, 2)).astype(np.float32)
+  options = {k: jnp.asarray(v, jnp.float32) if k == "bias_E" else v for k, v in options.items()}
+  route = lambda l: ms.top_k_routing(l, 2, normalize=False, **options)
+  grad_fn = jax.grad(lambda l: jnp.sum(route(l).weights_TK * ct_TK))
+  assert "scatter" not in str(jax.make_jaxpr(grad_fn)(logits_TE))
+  experts_TK = np.asarray(route(logits_TE).experts_TK)
+  d_scores_TE = np.zeros((6, 8), np.float32)
+  np.put_along_axis(d_scores_TE, experts_TK, ct_TK, axis=1)
+  if options.get("score_func") == "sigmoid":
+    s = 1 / (1 + np.exp(-np.asarray(logits_TE, np.float64)))
+    want = d_scores_TE * s * (1 - s)
+  else:
+    p = _softmax64(logits_TE)
+    want = p * (d_scores_TE - np.sum(d_scores_TE * p, axis=1, keepdims=True))
+  np.testing.assert_allclose(grad_fn(logits_TE), want, rtol=1e-5, atol=1e-7)
+
+
 def test_top_k_routing_is_a_pytree_through_jit():
   logits_TE = _distinct_logits(4, 6, seed=1)
   eager = ms.top_k_routing(logits_TE, 2)
