@@ -36,6 +36,8 @@ SECTIONS = {
   "gpu_h100_layer": "The layer on one H100",
   "tpu_v5e_2x4_step": "The layer's training step compiled for TPU v5e 2x4",
   "tpu_v6e_2x4_step": "The layer's training step compiled for TPU v6e 2x4",
+  "tpu_v5e_2x4_maxtext": "MaxText's RoutedMoE, the peer, compiled for TPU v5e 2x4",
+  "tpu_v6e_2x4_maxtext": "MaxText's RoutedMoE, the peer, compiled for TPU v6e 2x4",
   "tpu_v5e_ragged_step": "ragged_all_to_all against all_to_all, compiled for TPU v5e 2x4",
   "tpu_v5e_ragged": "ragged_all_to_all against all_to_all, v5e 2x4, its first version",
   "tpu_v5e_2x4": "Every implementation compiled for TPU v5e 2x4, an earlier tree",
@@ -63,6 +65,18 @@ SECTIONS = {
 
 # What a reader needs to know about a file beyond its rows.
 NOTES = {
+  "tpu_v5e_2x4_maxtext": (
+    "The command runs in the Python 3.12 environment with MaxText 0.2.5 that "
+    "`bench/maxtext_peer.py` describes, with `PYTHONPATH=.tpu-libs`, from the repository "
+    "root. MaxText's forward+backward has no load-balance loss; the layer's rows "
+    "(`tpu_v5e_2x4_step`, `tpu_v6e_2x4_step`) include one."
+  ),
+  "tpu_v6e_2x4_maxtext": (
+    "The command runs in the Python 3.12 environment with MaxText 0.2.5 that "
+    "`bench/maxtext_peer.py` describes, with `PYTHONPATH=.tpu-libs`, from the repository "
+    "root. MaxText's forward+backward has no load-balance loss; the layer's rows "
+    "(`tpu_v5e_2x4_step`, `tpu_v6e_2x4_step`) include one."
+  ),
   "gpu_h100_layer": (
     "The Mosaic GPU kernels are custom calls, whose FLOPs XLA's cost analysis does not count "
     "(flops x 0.00). The max err column compares with the benchmark's float32 host reference: "
