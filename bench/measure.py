@@ -20,7 +20,8 @@ that is, XLA's own count, plus each computation's dots once more for every extra
 minus once for a loop body that never runs). dot_flops(c) = 2 * prod(result dims) *
 prod(contracting dims) over the `dot` instructions of c and of the fusions it calls (not of
 nested loop bodies, which are computations of their own); a `convolution` (how TPU programs
-write matmuls) counts 2 * prod(result dims) * input features * window size; a
+write matmuls) counts 2 * prod(result dims) * input features * window size, less the window
+taps that fall into lhs-dilation holes or padding, as XLA counts it (`_conv_flops`); a
 `tpu_custom_call` (a Pallas kernel such as megablox's) counts the FLOPs it declares
 (`custom_call_flops`), so a kernel inside a loop is scaled like a dot. Other custom calls
 are not parsed: XLA's own count includes them, once per computation. Elementwise FLOPs
@@ -49,6 +50,7 @@ which ones sit in a while body (`HloModule.loops`) and scale them by its trip co
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -497,18 +499,81 @@ def custom_call_flops(attrs):
 
 
 def _conv_flops(ins, types):
-  """2 * prod(result dims) * input features * window size / feature groups."""
+  """2 * (input features / feature groups) * prod(non-spatial result dims) * valid taps.
+
+  Counts as XLA's `HloCostAnalysis::GetConvolutionFlops` does: one FMA per output feature,
+  input feature in its group, batch element and valid (output position, kernel position)
+  pair, where valid taps = prod over spatial dims of `_valid_taps`. Taps that land in lhs
+  dilation holes or in padding multiply zeros and are not counted (a transposed batched
+  matmul written with `lhs_dilate` would otherwise count its whole dilated window).
+  """
   out = _dims(ins.type)
   lhs = _dims(types.get(ins.operands[0], "")) if ins.operands else []
-  m = re.search(r"dim_labels=(\w+)_", ins.attrs)
-  if not lhs or not m or "f" not in m.group(1) or len(m.group(1)) != len(lhs):
+  m = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+  if not m or not lhs or len(m.group(1)) != len(lhs) or len(m.group(3)) != len(out):
     return 0.0
-  features = lhs[m.group(1).index("f")]
-  w = re.search(r"window=\{size=([0-9x]+)", ins.attrs)
-  window = int(np.prod([int(v) for v in w.group(1).split("x")])) if w else 1
+  lhs_labels, out_labels = m.group(1), m.group(3)
+  if "f" not in lhs_labels:
+    return 0.0
+  features = lhs[lhs_labels.index("f")]
+  window = _conv_window(ins.attrs)
+  spatial = [str(i) for i in range(len(window))]
+  if any(d not in lhs_labels or d not in out_labels for d in spatial):
+    return 0.0
+  taps = 1
+  for d, (size, stride, pad_lo, lhs_dilate, rhs_dilate) in zip(spatial, window, strict=True):
+    taps *= _valid_taps(
+      out[out_labels.index(d)],
+      lhs[lhs_labels.index(d)],
+      size,
+      stride,
+      pad_lo,
+      lhs_dilate,
+      rhs_dilate,
+    )
+  # Batch (already divided by batch groups) times output features.
+  rest = int(np.prod([n for n, label in zip(out, out_labels, strict=True) if label in "bf"]))
   g = re.search(r"feature_group_count=(\d+)", ins.attrs)
   groups = int(g.group(1)) if g else 1
-  return 2.0 * float(np.prod(out)) * features * window / groups
+  return 2.0 * rest * (features // groups) * float(taps)
+
+
+def _conv_window(attrs):
+  """Per spatial dim (size, stride, pad_lo, lhs_dilate, rhs_dilate) from a convolution's
+  `window={size=3x3 stride=2x1 pad=1_1x0_0 lhs_dilate=2x1 rhs_dilate=1x1}` (absent fields
+  take XLA's defaults: stride and dilations 1, no padding); [] when there is no window."""
+  w = re.search(r"window=\{([^}]*)\}", attrs)
+  fields = dict(f.split("=", 1) for f in w.group(1).split() if "=" in f) if w else {}
+  if "size" not in fields:
+    return []
+  sizes = [int(v) for v in fields["size"].split("x")]
+  n = len(sizes)
+
+  def ints(key):
+    return [int(v) for v in fields[key].split("x")] if key in fields else [1] * n
+
+  pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * n
+  return list(zip(sizes, ints("stride"), pads, ints("lhs_dilate"), ints("rhs_dilate"), strict=True))
+
+
+def _valid_taps(n_out, n_in, size, stride, pad_lo, lhs_dilate, rhs_dilate):
+  """Number of (output o, kernel k) pairs, 0 <= o < n_out and 0 <= k < size, whose input
+  position u = o * stride - pad_lo + k * rhs_dilate falls on an input element: u is a
+  multiple of lhs_dilate and 0 <= u / lhs_dilate < n_in (XLA's `valid_position_count`).
+
+  Counted in closed form per kernel position: the o that keep u in range form an interval,
+  and those with u = 0 (mod lhs_dilate) an arithmetic progression of period
+  lhs_dilate / gcd(stride, lhs_dilate) (none when gcd does not divide k * rhs_dilate - pad_lo).
+  """
+  c = np.arange(size, dtype=np.int64) * rhs_dilate - pad_lo  # u = o * stride + c
+  lo = np.maximum(0, -(c // stride))  # smallest o with u >= 0
+  hi = np.minimum(n_out - 1, ((n_in - 1) * lhs_dilate - c) // stride)  # largest in range
+  g = math.gcd(stride, lhs_dilate)
+  period = lhs_dilate // g
+  # o * stride = -c (mod lhs_dilate)  <=>  o = o0 (mod period), if g divides c.
+  o0 = ((-c // g) * pow(stride // g, -1, period)) % period
+  count = (hi - o0) // period - (lo - 1 - o0) // period
+  return int(np.where(c % g == 0, np.maximum(count, 0), 0).sum())
 
 
 def _group_size(attrs):

@@ -295,6 +295,77 @@ def test_convolution_flops_are_counted():
   assert measure.executed_flops(compiled)["dot_executed"] == 2 * out * 8 * 3 * 3
 
 
+def _xla_valid_taps(n_out, n_in, size, stride, pad_lo, lhs_dilate, rhs_dilate):
+  """XLA's `valid_position_count` loop (HloCostAnalysis::GetConvolutionFlops), transcribed."""
+  count = 0
+  for k in range(size):
+    for o in range(n_out):
+      u = o * stride - pad_lo + k * rhs_dilate
+      i = int(u / lhs_dilate)  # C++ division truncates toward zero
+      count += u == i * lhs_dilate and 0 <= i < n_in
+  return count
+
+
+def test_valid_taps_match_xlas_loop():
+  rng = np.random.default_rng(0)
+  for _ in range(2000):
+    n_in, size, stride, lhs_dilate, rhs_dilate = rng.integers(1, 7, 5)
+    pad_lo, pad_hi = rng.integers(-3, 8, 2)
+    dilated = (n_in - 1) * lhs_dilate + 1 + pad_lo + pad_hi
+    n_out = max(0, (dilated - (size - 1) * rhs_dilate - 1) // stride + 1)
+    args = [int(a) for a in (n_out, n_in, size, stride, pad_lo, lhs_dilate, rhs_dilate)]
+    assert measure._valid_taps(*args) == _xla_valid_taps(*args), args
+
+
+def _conv(x, w, i=None):
+  """A transposed-style convolution: stride, padding, lhs and rhs dilation all at once."""
+  if i is not None:  # inside a loop: depend on the counter, so XLA cannot hoist the conv
+    x = x * i.astype(x.dtype)
+  return jax.lax.conv_general_dilated(
+    x, w, (2, 1), ((1, 2), (0, 1)), lhs_dilation=(3, 1), rhs_dilation=(1, 2)
+  )
+
+
+def test_dilated_convolution_flops_match_xla():
+  """Taps in lhs-dilation holes and padding multiply zeros: XLA leaves them out, so do we."""
+  x, w = _spec((2, 8, 7, 9)), _spec((4, 8, 3, 3))
+  compiled = measure.compile_fn(_conv, x, w)
+  (line,) = [ln for ln in compiled.as_text().splitlines() if " convolution(" in ln]
+  assert "lhs_dilate=3x1" in line and "rhs_dilate=1x2" in line and "pad=1_2x0_1" in line
+  flops = measure.executed_flops(compiled)
+  # Full window: 2 * 2*4*10*6 outputs * 8 features * 9 taps = 69120; valid taps only: 21760.
+  assert flops["dot_executed"] == flops["xla"] == 21760
+
+  n = 5
+
+  def looped(x, w):
+    y0 = jnp.zeros((2, 4, 10, 6), x.dtype)
+    return jax.lax.fori_loop(0, n, lambda i, y: y + _conv(x, w, i), y0)
+
+  flops = measure.executed_flops(measure.compile_fn(looped, x, w))
+  (loop,) = [lp for lp in flops["loops"] if lp["dot_flops_per_iteration"]]
+  assert loop["dot_flops_per_iteration"] == 21760
+  assert flops["dot_executed"] == n * 21760
+
+
+def test_batched_matmul_as_dilated_convolution_counts_one_tap_per_batch():
+  """How TPU programs write a batched matmul's transpose: the batch B is a spatial dim with
+  window size B, lhs_dilate B and stride B - 1, so each output meets one real input; B x
+  (M, K) @ (K, N) is 2 * B * M * K * N FLOPs, not B times that."""
+  B, M, K, N_ = 6, 4, 8, 5
+
+  def f(x, w):  # x: [B, M, K] (spatial, batch, feature), w: [B, K, N] (spatial, in, out)
+    return jax.lax.conv_general_dilated(
+      x, w, (B - 1,), ((0, 0),), lhs_dilation=(B,), dimension_numbers=("WNC", "WIO", "WNC")
+    )
+
+  compiled = measure.compile_fn(f, _spec((B, M, K)), _spec((B, K, N_)))
+  (line,) = [ln for ln in compiled.as_text().splitlines() if " convolution(" in ln]
+  assert f"window={{size={B} stride={B - 1} lhs_dilate={B}}}" in line
+  flops = measure.executed_flops(compiled)
+  assert flops["dot_executed"] == flops["xla"] == 2 * B * M * K * N_
+
+
 @pytest.mark.parametrize("start, stop", [(0, 5), (3, 10)])
 def test_counted_loop_without_annotation_gets_its_trip_count(start, stop):
   """XLA's own loops on TPU (e.g. windowed einsums) carry no known_trip_count; a counted
