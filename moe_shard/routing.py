@@ -75,10 +75,9 @@ def _pick(a_TE, idx_TK):
 
 # The routers' picks of k scores per token: their values as `lax.top_k` and a gather give
 # them, their derivatives through `_pick`, whose transpose is a select. The transpose of a
-# gather (and of `lax.top_k`'s values) is a scatter-add of T * K elements into [T, E], which
-# XLA:TPU runs as a sort, a gather and a sorted scatter: compiled for v5e, the layer's
-# forward+backward at 4096 tokens per chip and E=8 accessed 8.0 GB of HBM with it and 3.7 GB
-# without it, by XLA's count.
+# gather (and of `lax.top_k`'s values) is a scatter-add of T * K scalars into [T, E]: compiled
+# for v5e, the layer's forward+backward at 4096 tokens per chip and E=8 accessed 8.0 GB of
+# HBM with it and 3.7 GB without it, by XLA's count (docs/guides/tpu_gpu.md).
 @jax.custom_jvp
 def _top_k_values(a_TE, idx_TK, values_TK):
   """`values_TK` (`lax.top_k(a_TE, k)`'s, bit for bit), differentiated through `_pick`."""
