@@ -165,6 +165,22 @@ def output_once(ffn, tensor_axis):
 TENSOR_ROWS = 128
 
 
+def one_expert_or_grouped(num_local, gmm_impl, masked, grouped, *args):
+  """`masked(*args)` (the FFN through a `MaskedMatmul`) with one local expert and the
+  megablox backend (named, or "auto" compiled for TPU), else `grouped(*args)`.
+
+  With one expert a grouped matmul is a dense one: on TPU the dense matmuls on unsorted rows
+  need no sort and no row scatters, and XLA fuses the FFN's elementwise ops into them. The
+  other backends keep the sorted rows: "tiled" skips the row tiles past the group, which
+  the dense matmuls compute (all_to_all's padding slots).
+  """
+  if num_local != 1 or gmm_impl not in ("auto", "megablox"):
+    return grouped(*args)
+  if gmm_impl == "megablox":
+    return masked(*args)
+  return jax.lax.platform_dependent(*args, tpu=masked, default=grouped)
+
+
 def local_experts(x_MD, ids_M, ffn_L, num_local, gmm_impl, tensor_axis=None):
   """Runs the L local experts on received rows, each with its local expert id (L: padding,
   zeros out): f[M, out] in the dtype of x (products accumulate in float32).
@@ -185,18 +201,21 @@ def local_experts(x_MD, ids_M, ffn_L, num_local, gmm_impl, tensor_axis=None):
     ids_M = jnp.pad(ids_M, (0, pad), constant_values=num_local)
     with jax.named_scope("tensor_gather"):
       x_MD, ids_M = (jax.lax.all_gather(a, tensor_axis, axis=0, tiled=True) for a in (x_MD, ids_M))
-  if num_local == 1 and gmm_impl == "auto":
-    # One expert: dense matmuls with the padding rows masked, no sort (`MaskedMatmul`).
-    y_MF = ffn_L(x_MD, MaskedMatmul(ids_M == 0, x_MD.dtype))
-  else:
+
+  def masked(x_MD, ids_M):  # one expert: dense matmuls, padding rows masked, no sort
+    return ffn_L(x_MD, MaskedMatmul(ids_M == 0, x_MD.dtype))
+
+  def grouped(x_MD, ids_M):
     order_M, group_sizes_L, _ = local.sort_by_expert(ids_M, num_local)
     rank_M = local.inverse_permutation(order_M)
     matmul = GroupedMatmul(group_sizes_L, gmm_impl, x_MD.dtype)
-    # Sorted even for one local expert (a backend named explicitly): padding rows go last,
-    # past the group, and XLA:TPU's ragged-dot backward fails to compile when its one group
-    # is all M rows (RET_CHECK in mask_aggregator.cc, libtpu 0.0.42.1).
+    # Sorted even for one local expert: padding rows go last, past the group, and XLA:TPU's
+    # ragged-dot backward fails to compile when its one group is all M rows (RET_CHECK in
+    # mask_aggregator.cc, libtpu 0.0.42.1).
     x_MD = local.move_rows(x_MD, rank_M, order_M)
-    y_MF = local.move_rows(ffn_L(x_MD, matmul), order_M, rank_M)
+    return local.move_rows(ffn_L(x_MD, matmul), order_M, rank_M)
+
+  y_MF = one_expert_or_grouped(num_local, gmm_impl, masked, grouped, x_MD, ids_M)
   if tensor_axis is not None:
     with jax.named_scope("tensor_reduce_scatter"):
       y_MF = jax.lax.psum_scatter(y_MF, tensor_axis, scatter_dimension=0, tiled=True)[:M]

@@ -19,6 +19,7 @@ from moe_shard.parallel.common import (
   _prepare,
   gather_weights,
   local_experts,
+  one_expert_or_grouped,
   output_once,
   run_on_mesh,
 )
@@ -401,11 +402,15 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
     # padding (zeros in, zeros out: no bias).
     group_sizes_L = jnp.sum(recv_SL, axis=0)
     if cfg.tensor_axis is None:
-      if cfg.local_experts == 1 and cfg.gmm_impl == "auto":  # one expert: a dense matmul
-        matmul = MaskedMatmul(jnp.arange(C) < group_sizes_L[0], x_ID.dtype)
-      else:
-        matmul = GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_ID.dtype)
-      out_CF = ffn_L(recv_CD, matmul)
+      masked = MaskedMatmul(jnp.arange(C) < group_sizes_L[0], x_ID.dtype)
+      grouped = GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_ID.dtype)
+      out_CF = one_expert_or_grouped(
+        cfg.local_experts,
+        cfg.gmm_impl,
+        lambda r: ffn_L(r, masked),
+        lambda r: ffn_L(r, grouped),
+        recv_CD,
+      )
     else:  # the rows of every tensor rank, each buffer expert-major: ids from the sizes
       ends_L = jnp.cumsum(group_sizes_L)
       ids_C = jnp.searchsorted(ends_L, jnp.arange(C, dtype=ends_L.dtype), side="right")
