@@ -402,13 +402,11 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
     # padding (zeros in, zeros out: no bias).
     group_sizes_L = jnp.sum(recv_SL, axis=0)
     if cfg.tensor_axis is None:
-      masked = MaskedMatmul(jnp.arange(C) < group_sizes_L[0], x_ID.dtype)
-      grouped = GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_ID.dtype)
       out_CF = one_expert_or_grouped(
         cfg.local_experts,
         cfg.gmm_impl,
-        lambda r: ffn_L(r, masked),
-        lambda r: ffn_L(r, grouped),
+        lambda r: ffn_L(r, MaskedMatmul(jnp.arange(C) < group_sizes_L[0], x_ID.dtype)),
+        lambda r: ffn_L(r, GroupedMatmul(group_sizes_L, cfg.gmm_impl, x_ID.dtype)),
         recv_CD,
       )
     else:  # the rows of every tensor rank, each buffer expert-major: ids from the sizes
