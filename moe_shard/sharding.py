@@ -210,9 +210,15 @@ def trim(y_TF, mesh, tokens):
 
 
 def vary_over(tree, axes):
-  """Marks arrays (replicated over `axes`) as varying there, inside shard_map.
+  """Casts arrays replicated over `axes` to varying there (`lax.pcast(to="varying")`).
 
-  Its transpose sums the gradients over `axes`.
+  What the cast does depends on the enclosing shard_map's `check_vma`. With the check on,
+  it changes the arrays' type to varying over `axes` and its transpose sums their
+  cotangents over `axes` (a psum). With the check off, as in the dispatch bodies
+  (`parallel.common.shard_map`), `pcast` returns its input as it is: the cast changes
+  nothing, and the sum of the gradients over `axes` comes from shard_map's transpose of an
+  input whose spec leaves `axes` out (a replicated input's cotangent is summed over the axes
+  it is replicated on).
   """
   return jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), tree) if axes else tree
 
