@@ -4,9 +4,11 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -24,12 +26,17 @@ def wheel(tmp_path_factory):
   for name in ("moe_shard", "bench"):
     shutil.copytree(ROOT / name, src / name, ignore=skip)
   out = tmp_path_factory.mktemp("wheel")
-  subprocess.run(
+  # Offline, with the installed build backend (the test extra brings one that fits).
+  run = subprocess.run(
     [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation"]
     + ["--no-index", "--disable-pip-version-check", "-q", "-w", str(out)],
-    check=True,
     capture_output=True,
+    text=True,
     timeout=300,
+  )
+  assert run.returncode == 0, (
+    f'pip wheel failed (is the test extra installed? pip install -e ".[test]"):\n'
+    f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
   )
   (whl,) = out.glob("moe_shard-*.whl")
   with zipfile.ZipFile(whl) as z:
@@ -58,3 +65,19 @@ def test_bench_runs_from_a_clone():
   )
   assert res.returncode == 0, res.stderr
   assert res.stdout.startswith("usage: python -m bench")
+
+
+def test_test_extra_brings_the_build_backend():
+  # The wheel fixture builds without build isolation, so `pip install -e ".[test]"` must
+  # install a setuptools that [build-system] accepts and that has bdist_wheel built in
+  # (70.1): a fresh `python3 -m venv` may hold an older one and no `wheel` package.
+  meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  (build,) = [
+    r for r in map(Requirement, meta["build-system"]["requires"]) if r.name == "setuptools"
+  ]
+  extra = meta["project"]["optional-dependencies"]["test"]
+  (test,) = [r for r in map(Requirement, extra) if r.name == "setuptools"]
+  (spec,) = test.specifier
+  assert spec.operator == ">=", test
+  assert build.specifier.contains(spec.version), (test, build)
+  assert not test.specifier.contains("70.0"), test
