@@ -159,6 +159,27 @@ FAULTS = {
     ),
     ("tests/test_expert_split.py", "-k", "matches"),
   ),
+  "K": Fault(
+    "DeepSeek's MoE layers counted from layer 1: (i + 1) % moe_layer_freq for i % moe_layer_freq",
+    (("moe_shard/hf/families.py", "if i % freq != 0:", "if (i + 1) % freq != 0:"),),
+    ("tests/test_hf.py", "-k", "moe_layer_freq"),
+  ),
+  "L": Fault(
+    "block-FP8 rows that start inside a scale block take the scales from the block's first row",
+    (
+      (
+        "moe_shard/hf/layouts.py",
+        "row0 = 0 if lo is None else lo - first * block[0]",
+        "row0 = 0",
+      ),
+    ),
+    ("tests/test_hf.py", "-k", "fp8"),
+  ),
+  "M": Fault(
+    "the benchmark's convolution FLOPs ignore feature_group_count",
+    (("bench/measure.py", "groups = int(g.group(1)) if g else 1", "groups = 1"),),
+    ("tests/test_measure.py", "-k", "convolution"),
+  ),
 }
 
 REPO = Path(__file__).resolve().parent.parent

@@ -428,6 +428,36 @@ def test_fp8_save_keeps_the_scales_and_encodes_a_changed_value(tmp_path):
     hf.save_moe_layers(tmp_path / "big", cfg, too_big, like=src)
 
 
+def test_fp8_rows_that_start_inside_a_scale_block(tmp_path, mesh24):
+  # DBRX keeps each expert matrix as rows [e*F, (e + 1)*F) of one [E*F, D] tensor: over the
+  # 4 devices of the expert axis each device reads one expert's F = 4 rows, and with scale
+  # blocks of 3 rows the reads at rows 4 and 8 start inside a block.
+  _, T = hf_checkpoints.write(tmp_path, "dbrx")
+  bo, bi = 3, 5
+  rng = np.random.default_rng(1)
+  tensors, want = {k: a for k, (a, _) in _tensors(tmp_path).items()}, dict(T)
+  for name in [k for k in tensors if ".experts.mlp." in k]:
+    rows, cols = tensors[name].shape
+    codes = np.clip(rng.normal(size=(rows, cols)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(1e-3, 1e-2, size=(-(-rows // bo), -(-cols // bi))).astype(np.float32)
+    tensors[name], tensors[name + "_scale_inv"] = codes, scale
+    want[name] = np.array(
+      [
+        [float(codes[o, i]) * float(scale[o // bo, i // bi]) for i in range(cols)]
+        for o in range(rows)
+      ]
+    )
+  save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+  _edit_config(tmp_path, quantization_config=dict(quant_method="fp8", weight_block_size=[bo, bi]))
+  cfg, got = hf.load_moe_layers(tmp_path, mesh=mesh24, dtype=np.float32)
+  assert got.experts.down_EFD.sharding.spec == P(None, "expert", None, None)
+  got = _leaves(got)
+  for pos, i in enumerate(MOE_LAYERS["dbrx"]):
+    for k, w in EXPECT["dbrx"](want, PREFIX["dbrx"].format(i=i), cfg.num_experts).items():
+      # An e4m3 code times an f32 scale is exact in float64: one rounding to float32.
+      np.testing.assert_array_equal(got[k][pos], w.astype(np.float32), err_msg=k)
+
+
 def test_error_fp8_scales_of_another_block(tmp_path):
   hf_checkpoints.write(tmp_path, "deepseek_v3_fp8")
   c = json.loads((tmp_path / "config.json").read_text())
@@ -542,6 +572,22 @@ def test_error_dense_layer(tmp_path, model_type, layer, field):
   hf_checkpoints.write(tmp_path, model_type)
   with pytest.raises(ValueError, match=rf"layer {layer} is dense, not MoE.*{field}"):
     hf.load_moe_layer(tmp_path, layer)
+
+
+@pytest.mark.parametrize(
+  "first, freq, want", [(1, 2, [2, 4, 6]), (0, 3, [0, 3, 6]), (2, 3, [3, 6])]
+)
+def test_deepseek_moe_layer_freq_counts_from_layer_0(tmp_path, first, freq, want):
+  # DeepSeek-V3's rule (its modeling_deepseek.py): layer i is MoE when
+  # i >= first_k_dense_replace and i % moe_layer_freq == 0; `want` is that, listed by hand.
+  hf_checkpoints.write(tmp_path, "deepseek_v3")
+  _edit_config(tmp_path, num_hidden_layers=7, first_k_dense_replace=first, moe_layer_freq=freq)
+  assert hf.moe_layers(tmp_path) == want
+  dense = min(set(range(first, 7)) - set(want))
+  with pytest.raises(
+    ValueError, match=rf"layer {dense} is dense, not MoE.*i % moe_layer_freq \({freq}\) != 0"
+  ):
+    hf.load_moe_layer(tmp_path, dense)
 
 
 @pytest.mark.parametrize("layer", [-1, 2, 1.0, True, np.int64(2), "1"])

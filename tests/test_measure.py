@@ -295,6 +295,20 @@ def test_convolution_flops_are_counted():
   assert measure.executed_flops(compiled)["dot_executed"] == 2 * out * 8 * 3 * 3
 
 
+def test_grouped_convolution_counts_the_input_features_of_one_group():
+  """With feature_group_count G each output feature sees C_in / G input features."""
+  x = _spec((2, 8, 10, 10))  # N, C_in, H, W
+  w = _spec((12, 2, 3, 3))  # C_out, C_in / G, kh, kw; G = 4 groups of 2 input features
+  compiled = measure.compile_fn(
+    lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", feature_group_count=4), x, w
+  )
+  (line,) = [ln for ln in compiled.as_text().splitlines() if " convolution(" in ln]
+  assert "feature_group_count=4" in line
+  out = 2 * 12 * 8 * 8
+  flops = measure.executed_flops(compiled)
+  assert flops["dot_executed"] == flops["xla"] == 2 * out * 2 * 3 * 3
+
+
 def _xla_valid_taps(n_out, n_in, size, stride, pad_lo, lhs_dilate, rhs_dilate):
   """XLA's `valid_position_count` loop (HloCostAnalysis::GetConvolutionFlops), transcribed."""
   count = 0
