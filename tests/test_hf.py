@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import hf_checkpoints
 import jax
@@ -620,6 +623,45 @@ def test_error_pickle_only_folder_is_never_opened(tmp_path):
 def test_error_no_config(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"has no config.json"):
     hf.load_moe_layers(tmp_path)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+LFS = b"version https://git-lfs.github.com/spec/v1\noid sha256:%s\nsize 57720\n" % (b"0" * 64)
+
+
+@pytest.mark.parametrize(
+  "corrupt, error, what",
+  [
+    # Cut short (an interrupted download): the header promises more bytes than there are.
+    (lambda raw: raw[: len(raw) // 2], "incomplete metadata", "truncated or corrupt"),
+    # A header of garbage: its 8-byte length reads as an absurd size.
+    (lambda raw: b"\xff" * 8 + raw[8:], "header too large", "truncated or corrupt"),
+    # A clone without git-lfs leaves the pointer in the file's place.
+    (lambda raw: LFS, "header too large", r"Git LFS pointer.*git lfs pull"),
+  ],
+  ids=["truncated", "garbage_header", "lfs_pointer"],
+)
+def test_error_corrupt_safetensors_names_the_file(tmp_path, corrupt, error, what):
+  shutil.copytree(FIXTURES / "mixtral", tmp_path, dirs_exist_ok=True)
+  file = tmp_path / "model.safetensors"
+  file.write_bytes(corrupt(file.read_bytes()))
+  with pytest.raises(
+    ValueError,
+    match=rf"load_moe_layers: '{re.escape(str(file))}' is not a readable safetensors file "
+    rf"\(.*{error}.*\); .*{what}",
+  ):
+    hf.load_moe_layers(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_error_corrupt_json_names_the_file(tmp_path, name):
+  hf_checkpoints.write(tmp_path, "mixtral", files=2)
+  file = tmp_path / name
+  file.write_text(file.read_text()[:-10])
+  with pytest.raises(
+    ValueError, match=rf"load_moe_layer: '{re.escape(str(file))}' is not valid JSON \(.*\)"
+  ):
+    hf.load_moe_layer(tmp_path, 0)
 
 
 def test_error_not_a_folder(tmp_path):

@@ -8,7 +8,9 @@ those bytes leave the file. Every read adds its bytes to a per-process counter
 (`bytes_read`), which the tests use to check that each process reads only its own experts.
 
 A checkpoint is data, not code: a folder holding only PyTorch pickles
-(`pytorch_model*.bin`) is refused, and nothing in it is opened.
+(`pytorch_model*.bin`) is refused, and nothing in it is opened. A file that cannot be parsed
+(a safetensors file cut short by an interrupted download, a header of garbage, a JSON file
+that is not JSON) raises a `ValueError` naming the file.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from pathlib import Path
 
 import ml_dtypes  # registers bfloat16, which safetensors' NumPy reader needs
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# How a file that Git LFS has not fetched begins (a clone without `git lfs`).
+LFS_POINTER = b"version https://git-lfs"
 _BYTES_READ = [0]
 # Dtypes safetensors' NumPy reader cannot make, read from the file's bytes instead.
 RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
@@ -58,10 +62,10 @@ class Checkpoint:
       raise FileNotFoundError(f"{fn}: {str(path)!r} has no config.json")
     self.path, self.fn = path, fn
     self._handles = {}
-    self.config = json.loads(config.read_text())
+    self.config = _read_json(fn, config)
     if (path / INDEX).is_file():
       self.source = INDEX
-      self.files = dict(json.loads((path / INDEX).read_text())["weight_map"])
+      self.files = dict(_read_json(fn, path / INDEX)["weight_map"])
     elif (path / SINGLE).is_file():
       self.source = SINGLE
       self.files = dict.fromkeys(self._keys(SINGLE), SINGLE)
@@ -92,7 +96,10 @@ class Checkpoint:
   def _open(self, file):
     """The open safetensors file (kept open: a shard's header is parsed once)."""
     if file not in self._handles:
-      self._handles[file] = safe_open(self.path / file, framework="numpy")
+      try:
+        self._handles[file] = safe_open(self.path / file, framework="numpy")
+      except SafetensorError as e:
+        raise ValueError(_unreadable(self.fn, self.path / file, e)) from e
     return self._handles[file]
 
   def meta(self, name):
@@ -139,6 +146,33 @@ class Checkpoint:
       f.seek(8 + n + begin + lo * row)
       data = f.read((hi - lo) * row)
     return np.frombuffer(data, dtype).reshape((hi - lo, *shape[1:]) if shape else ())
+
+
+def _unreadable(fn, file, error):
+  """The message for a file safetensors cannot open: the file, the error, what to do."""
+  with open(file, "rb") as f:
+    lfs = f.read(len(LFS_POINTER)) == LFS_POINTER
+  if lfs:
+    what = (
+      "it is a Git LFS pointer, not the tensors: fetch them with `git lfs pull`, or download "
+      "the file itself"
+    )
+  else:
+    what = (
+      "the file is truncated or corrupt (an interrupted download?): download it again and "
+      "check its size against the source's"
+    )
+  return f"{fn}: {str(file)!r} is not a readable safetensors file ({error}); {what}"
+
+
+def _read_json(fn, file):
+  """The JSON document in `file`, or a ValueError naming the file."""
+  try:
+    return json.loads(Path(file).read_text())
+  except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+    raise ValueError(
+      f"{fn}: {str(file)!r} is not valid JSON ({e}): check the file, or download it again"
+    ) from e
 
 
 def write_folder(path, config, shards):
