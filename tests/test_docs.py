@@ -69,6 +69,16 @@ def test_readme_is_short():
   assert quickstart, "the README's quickstart is a ```python block"
   last = text[: quickstart.end()].count("\n") + 1  # the line of its closing fence
   assert last <= 60, f"the README's first ```python block ends on line {last}: keep it by line 60"
+  # ... and how to load a Hugging Face checkpoint, the first thing many look for.
+  assert "hf.load_moe_layer(" in "\n".join(lines[:100]), "show moe_shard.hf by README line 100"
+
+
+def test_readme_links_every_guide():
+  text = (ROOT / "README.md").read_text()
+  missing = [
+    g.name for g in sorted((DOCS / "guides").glob("*.md")) if f"(docs/guides/{g.name})" not in text
+  ]
+  assert not missing, f"the README's documentation table lists no {missing}"
 
 
 def test_no_history_wording():
