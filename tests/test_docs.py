@@ -143,6 +143,7 @@ def test_multihost_script_runs_on_two_processes(tmp_path, monkeypatch):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
+  # No PYTHONPATH of the test's own: train.py imports the installed moe_shard, as a user's does.
   env = dict(
     os.environ,
     XLA_FLAGS="--xla_force_host_platform_device_count=4",
@@ -150,7 +151,6 @@ def test_multihost_script_runs_on_two_processes(tmp_path, monkeypatch):
     JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
     JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
     JAX_NUM_PROCESSES="2",
-    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
   )
   procs = [
     subprocess.Popen(
