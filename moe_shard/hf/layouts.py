@@ -22,6 +22,19 @@ several devices holding the same experts, read the bytes once. A tensor stored a
 (`name_blocks`, `name_scales`, gpt-oss), or as block-FP8 (`name` F8_E4M3 with
 `name_scale_inv`, DeepSeek-V3 and Qwen3 FP8 releases), is dequantized on read; `write` gives
 it unquantized under `name`, and `save_moe_layers` quantizes it back.
+
+With `keep_quantized=True` the routed experts' matrices stored quantized are kept as stored:
+`kept` says which leaves can be (or raises ValueError saying why not), `read_kept` gives a
+leaf's (values, scales) in the [in, out] layout of `QuantizedArray`, the checkpoint's bytes
+rearranged and never decoded, and `write_kept` is its inverse:
+
+    mxfp4  name_blocks u8[E, out, in/32, 16] -> values u8[E, in/2, out] (blocks reshaped to
+           [E, out, in/2], then transposed); name_scales u8[E, out, in/32] -> scales
+           u8[E, in/32, out]. gpt-oss's interleaved gate_up_proj splits on the out axis,
+           whose rows (and their scales) are whole.
+    fp8    name f8e4m3[out, in] -> values f8e4m3[in, out]; name_scale_inv f32[out/128, in/128]
+           -> scales f32[in/128, out/128]: blocks of 128 x 128 only, dividing the matrix (and
+           DBRX's rows of one expert).
 """
 
 from __future__ import annotations
@@ -68,6 +81,81 @@ def read_rows(ckpt, name, lo, hi, cache, mx_dtype):
     else:
       cache[key] = ckpt.read(name, None if lo is None else (lo, hi))
   return cache[key]
+
+
+# The block of a kept "fp8" `QuantizedArray` (`quant.BLOCKS["fp8"]`).
+KEPT_FP8_BLOCK = (128, 128)
+
+
+def kept_shapes(fmt, shape):
+  """((shape, dtype) of values, (shape, dtype) of scales) of a matrix f[..., I, O] kept in
+  `fmt` ("mxfp4" or "fp8"), as `QuantizedArray` holds them."""
+  *lead, I, O = shape
+  if fmt == "mxfp4":
+    return ((*lead, I // 2, O), np.dtype(np.uint8)), ((*lead, I // 32, O), np.dtype(np.uint8))
+  bi, bo = KEPT_FP8_BLOCK
+  return ((*lead, I, O), fp8.E4M3), ((*lead, I // bi, O // bo), np.dtype(np.float32))
+
+
+def _kept_format(ckpt, name, rows=None):
+  """The format tensor `name` is kept in ("mxfp4" or "fp8"), or None when stored as floats.
+
+  Raises ValueError (the reason, without the function's name) for block-FP8 whose blocks are
+  not 128 x 128 or do not divide the tensor, or (`rows`) the rows of one expert.
+  """
+  shape, how = stored(ckpt, name)
+  if how == "fp8":
+    block = fp8_block(ckpt)
+    if block != KEPT_FP8_BLOCK:
+      raise ValueError(
+        f"block-FP8 tensor {name!r}: its blocks are {list(block)} (quantization_config "
+        f"weight_block_size), and a kept 'fp8' matrix has blocks of {list(KEPT_FP8_BLOCK)}"
+      )
+    dims = [("out", shape[0]), ("in", shape[1])] + ([("one expert's rows", rows)] if rows else [])
+    for what, n in dims:
+      if n % KEPT_FP8_BLOCK[0]:
+        raise ValueError(
+          f"block-FP8 tensor {name!r} of shape {tuple(shape)}: its {what} dimension ({n}) is "
+          f"not a multiple of the block ({KEPT_FP8_BLOCK[0]}), so the scales cannot follow "
+          f"the matrix block for block"
+        )
+  return how or None
+
+
+def _cannot(name, fmt, layout):
+  return ValueError(f"{fmt} tensor {name!r}: {layout}, which the {fmt} block grid cannot follow")
+
+
+def read_kept_rows(ckpt, name, lo, hi, cache):
+  """Rows [lo, hi) of a quantized tensor as stored, (values, scales) in `read_rows`'s
+  orientation: MXFP4 [..., in/2, out] and [..., in/32, out] (the stored bytes rearranged);
+  block-FP8 [out, in] and [out/128, in/128] as stored (lo and hi multiples of 128)."""
+  key = ("kept", name, lo, hi)
+  if key not in cache:
+    rows = None if lo is None else (lo, hi)
+    if stored(ckpt, name)[1] == "mxfp4":
+      blocks = ckpt.read(name + "_blocks", rows)
+      *lead, n, g, b = blocks.shape
+      values = _swap(blocks.reshape(*lead, n, g * b))
+      scales = _swap(ckpt.read(name + "_scales", rows))
+    else:
+      bo = KEPT_FP8_BLOCK[0]
+      values = ckpt.read(name, rows)
+      scales = ckpt.read(name + "_scale_inv", None if lo is None else (lo // bo, hi // bo))
+    cache[key] = (values, scales)
+  return cache[key]
+
+
+def stored_kept(name, fmt, values, scales):
+  """The checkpoint's tensors of one kept matrix given in `read_kept_rows`'s orientation."""
+  if fmt == "mxfp4":
+    blocks = _swap(values)
+    *lead, out, half = blocks.shape
+    return {
+      name + "_blocks": blocks.reshape(*lead, out, half // 16, 16),
+      name + "_scales": _swap(scales),
+    }
+  return {name: values, name + "_scale_inv": scales}
 
 
 def stored(ckpt, name):
@@ -118,6 +206,9 @@ class Whole(_Layout):
     a = arrays[self.leaf]
     return {self.name: {"T": a.T, "T1": a[0].T, "row": a[None], "id": a}[self.op]}
 
+  def kept(self, ckpt, shapes):
+    return {}  # replicated tensors (router, shared experts) load as floats
+
 
 @dataclasses.dataclass(frozen=True)
 class PerExpert(_Layout):
@@ -139,6 +230,26 @@ class PerExpert(_Layout):
   def write(self, arrays):
     return {self.template.format(j=j): a.T for j, a in enumerate(arrays[self.leaf])}
 
+  def kept(self, ckpt, shapes):
+    names = [self.template.format(j=j) for j in range(shapes[self.leaf][0])]
+    fmts = {_kept_format(ckpt, name) for name in names}
+    if fmts == {None}:
+      return {}
+    if len(fmts) > 1 or "mxfp4" in fmts:
+      fmt = "mxfp4" if "mxfp4" in fmts else "fp8"
+      raise _cannot(names[0], fmt, "one tensor per expert, some of them not " + fmt)
+    return {self.leaf: fmts.pop()}
+
+  def read_kept(self, ckpt, leaf, shapes, lo, hi, cache):
+    parts = [
+      read_kept_rows(ckpt, self.template.format(j=j), None, None, cache) for j in range(lo, hi)
+    ]
+    return tuple(_swap(np.stack(p)) for p in zip(*parts))
+
+  def write_kept(self, arrays):
+    values, scales = arrays[self.leaf]
+    return {self.template.format(j=j): (v.T, s.T) for j, (v, s) in enumerate(zip(values, scales))}
+
 
 @dataclasses.dataclass(frozen=True)
 class Stacked(_Layout):
@@ -159,6 +270,18 @@ class Stacked(_Layout):
   def write(self, arrays):
     a = arrays[self.leaf]
     return {self.name: _swap(a) if self.transpose else a}
+
+  def kept(self, ckpt, shapes):
+    fmt = _kept_format(ckpt, self.name) if len(shapes[self.leaf]) == 3 else None
+    if fmt is not None and (fmt != "mxfp4" or self.transpose):
+      raise _cannot(self.name, fmt, "a stacked tensor transposed into [E, in, out]")
+    return {} if fmt is None else {self.leaf: fmt}
+
+  def read_kept(self, ckpt, leaf, shapes, lo, hi, cache):
+    return read_kept_rows(ckpt, self.name, lo, hi, cache)
+
+  def write_kept(self, arrays):
+    return {self.name: arrays[self.leaf]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +319,29 @@ class Fused(_Layout):
       a = np.concatenate([gate, up], axis=-1)
     return {self.name: _swap(a) if self.transpose else a}
 
+  def kept(self, ckpt, shapes):
+    fmt = _kept_format(ckpt, self.name) if len(shapes[self.pair[0]]) == 3 else None
+    if fmt is not None and (fmt != "mxfp4" or self.transpose):
+      raise _cannot(self.name, fmt, f"gate and up fused ({self.how}) in a transposed tensor")
+    return {} if fmt is None else dict.fromkeys(self.pair, fmt)
+
+  def read_kept(self, ckpt, leaf, shapes, lo, hi, cache):
+    # MXFP4 scales have one column per output column: both split on the out axis alike.
+    part = self.pair.index(leaf)
+    arrays = read_kept_rows(ckpt, self.name, lo, hi, cache)
+    if self.how == "interleave":
+      return tuple(a[..., part::2] for a in arrays)
+    F = arrays[0].shape[-1] // 2
+    return tuple(a[..., part * F : (part + 1) * F] for a in arrays)
+
+  def write_kept(self, arrays):
+    (gv, gs), (uv, us) = (arrays[k] for k in self.pair)
+    if self.how == "interleave":
+      fuse = lambda g, u: np.stack([g, u], axis=-1).reshape(*g.shape[:-1], 2 * g.shape[-1])
+    else:
+      fuse = lambda g, u: np.concatenate([g, u], axis=-1)
+    return {self.name: (fuse(gv, uv), fuse(gs, us))}
+
 
 @dataclasses.dataclass(frozen=True)
 class Rows(_Layout):
@@ -222,3 +368,21 @@ class Rows(_Layout):
     a = arrays[self.leaf]
     a = _swap(a) if self.transpose else a
     return {self.name: a.reshape(-1, a.shape[-1])}
+
+  def kept(self, ckpt, shapes):
+    F, _ = self._fd(shapes)
+    fmt = _kept_format(ckpt, self.name, rows=F)
+    if fmt == "mxfp4":
+      raise _cannot(self.name, fmt, "the rows of every expert in one [E*F, D] tensor")
+    return {} if fmt is None else {self.leaf: fmt}
+
+  def read_kept(self, ckpt, leaf, shapes, lo, hi, cache):
+    F, D = self._fd(shapes)
+    b = KEPT_FP8_BLOCK[0]
+    values, scales = read_kept_rows(ckpt, self.name, lo * F, hi * F, cache)
+    values, scales = values.reshape(hi - lo, F, D), scales.reshape(hi - lo, F // b, D // b)
+    return (_swap(values), _swap(scales)) if self.transpose else (values, scales)
+
+  def write_kept(self, arrays):
+    arrays = tuple(_swap(a) if self.transpose else a for a in arrays[self.leaf])
+    return {self.name: tuple(a.reshape(-1, a.shape[-1]) for a in arrays)}

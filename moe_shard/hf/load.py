@@ -6,6 +6,10 @@ mesh each leaf is created already placed (`jax.make_array_from_callback` with
 `moe_param_specs`), and the callback of a device reads from the files only the rows of the
 experts that device holds: a process reads its own experts and the replicated tensors, never
 a whole expert tensor.
+
+With `keep_quantized=True` the routed experts' matrices stored as MXFP4 or block-FP8 are
+`QuantizedArray`s holding the checkpoint's bytes (`hf.layouts`), values and scales each
+created placed with the matrix's spec; `save_moe_layers` writes them back byte for byte.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from moe_shard.config import MoEConfig
 from moe_shard.hf import fp8
 from moe_shard.hf.families import FAMILIES, Family, text_config
 from moe_shard.hf.io import Checkpoint, write_folder
-from moe_shard.hf.layouts import BF16, fp8_block, stored
+from moe_shard.hf.layouts import BF16, fp8_block, kept_shapes, stored, stored_kept
 from moe_shard.hf.mxfp4 import quantize as quantize_mxfp4
 from moe_shard.params import MoEParams, check_split_axes, moe_param_shapes, moe_param_specs
+from moe_shard.quant import QuantizedArray, is_quantized
 from moe_shard.sharding import EXPERT, resolve_mesh
 
 DTYPES = {
@@ -141,12 +146,69 @@ def _name(path):
   return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
-def _leaves(tree):
-  return {_name(p): a for p, a in jax.tree_util.tree_leaves_with_path(tree)}
+def _leaves(tree, is_leaf=None):
+  return {_name(p): a for p, a in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
+
+
+def _float_cfg(cfg):
+  """`cfg` describing float expert matrices: the layouts map the matrices' logical shapes."""
+  if getattr(cfg, "weights_format", None) is None:
+    return cfg
+  return dataclasses.replace(cfg, weights_format=None)
 
 
 def _leaf_shapes(cfg):
-  return {k: s.shape for k, s in _leaves(moe_param_shapes(cfg)).items()}
+  return {k: s.shape for k, s in _leaves(moe_param_shapes(_float_cfg(cfg))).items()}
+
+
+def _kept(fn, block, layers, cfg, keep_quantized):
+  """{leaf: "mxfp4" | "fp8"}: the routed experts' matrices kept as stored, alike in every
+  layer of `layers` (empty unless `keep_quantized`)."""
+  if not keep_quantized:
+    return {}
+  shapes, first = _leaf_shapes(cfg), None
+  for i in layers:
+    kept = {}
+    for lay in block.at(i):
+      if not lay.expert_axis:
+        continue
+      try:
+        kept.update(lay.kept(block.ckpt, shapes))
+      except ValueError as e:
+        raise ValueError(
+          f"{fn}: keep_quantized=True cannot keep {e}; pass keep_quantized=False to load it "
+          f"dequantized"
+        ) from None
+    if first is not None and kept != first:
+      raise ValueError(
+        f"{fn}: keep_quantized=True needs the MoE layers stored alike, but layer {i} keeps "
+        f"{kept} and layer {layers[0]} {first}; pass keep_quantized=False"
+      )
+    first = kept
+  return first
+
+
+def _with_format(cfg, kept):
+  """`cfg` with `weights_format` the kept format when every routed-expert matrix is kept in
+  it (and `MoEConfig` has that field), else `cfg`."""
+  fmts = set(kept.values())
+  matrices = {k for k, s in _leaf_shapes(cfg).items() if k.startswith("experts.") and len(s) == 3}
+  if len(fmts) != 1 or set(kept) != matrices or not hasattr(cfg, "weights_format"):
+    return cfg
+  return dataclasses.replace(cfg, weights_format=fmts.pop())
+
+
+def _check_divides(fn, mesh, spec, shape, what):
+  """Raises unless every mesh axis of `spec` divides the dimension of `shape` it splits."""
+  for dim, (axes, n) in enumerate(zip(spec, shape)):
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    if n % size:
+      raise ValueError(
+        f"{fn}: keep_quantized=True cannot split {what} of shape {tuple(shape)} over the mesh "
+        f"axes {axes} (size {size}): its dimension {dim} ({n}) must be divisible by it; pass "
+        f"keep_quantized=False, or split over fewer devices"
+      )
 
 
 def _mesh(fn, mesh, cfg):
@@ -203,9 +265,10 @@ def _check_tensors(fn, block, layer, cfg):
 
 
 def _reader(block, cfg, layers, mx_dtype):
-  """(read(leaf, layer_pos, lo, hi) -> np array in the leaf's dtype, layout of each leaf)."""
+  """(read(leaf, layer_pos, lo, hi) -> np array in the leaf's dtype, read_kept(...) -> (values,
+  scales) of a kept leaf, layout of each leaf, the cache)."""
   shapes = _leaf_shapes(cfg)
-  dtypes = {k: s.dtype for k, s in _leaves(moe_param_shapes(cfg)).items()}
+  dtypes = {k: s.dtype for k, s in _leaves(moe_param_shapes(_float_cfg(cfg))).items()}
   at = [dict((leaf, lay) for lay in block.at(i) for leaf in lay.leaves) for i in layers]
   cache = {}
 
@@ -216,15 +279,19 @@ def _reader(block, cfg, layers, mx_dtype):
     a = lay.read(block.ckpt, leaf, shapes, lo, hi, cache, mx_dtype)
     return np.asarray(a, dtypes[leaf])
 
-  return read, at[0], cache
+  def read_kept(leaf, pos, lo, hi):
+    return at[pos][leaf].read_kept(block.ckpt, leaf, shapes, lo, hi, cache)
+
+  return read, read_kept, at[0], cache
 
 
-def _build(block, cfg, layers, mesh, stacked):
-  """Every leaf of the layers `layers` (stacked on axis 0 when `stacked`), placed on `mesh`."""
+def _build(fn, block, cfg, layers, mesh, stacked, kept):
+  """Every leaf of the layers `layers` (stacked on axis 0 when `stacked`), placed on `mesh`;
+  the leaves of `kept` as `QuantizedArray`s of their stored format."""
   mx_dtype = np.dtype(cfg.param_dtype)
-  read, by_leaf, cache = _reader(block, cfg, layers, mx_dtype)
-  shapes = moe_param_shapes(cfg)
-  specs = moe_param_specs(cfg)
+  read, read_kept, by_leaf, cache = _reader(block, cfg, layers, mx_dtype)
+  shapes = moe_param_shapes(_float_cfg(cfg))
+  specs = moe_param_specs(_float_cfg(cfg))
   flat = {
     _name(p): (s, spec)
     for (p, s), spec in zip(
@@ -237,7 +304,9 @@ def _build(block, cfg, layers, mesh, stacked):
   for leaf in dict.fromkeys(leaf for lay in block.layouts for leaf in lay.leaves):
     s, spec = flat[leaf]
     E = s.shape[0]
-    if mesh is None:
+    if leaf in kept:
+      out[leaf] = _build_kept(fn, read_kept, leaf, kept[leaf], s, spec, cfg, layers, mesh, stacked)
+    elif mesh is None:
       parts = [read(leaf, k, 0, E) for k in range(len(layers))]
       out[leaf] = jnp.asarray(np.stack(parts) if stacked else parts[0])
     else:
@@ -257,6 +326,31 @@ def _build(block, cfg, layers, mesh, stacked):
   return jax.tree.unflatten(jax.tree.structure(shapes), [out[k] for k in flat])
 
 
+def _build_kept(fn, read_kept, leaf, fmt, s, spec, cfg, layers, mesh, stacked):
+  """The `QuantizedArray` of one kept leaf: values and scales each read (and, with a mesh,
+  created placed with the matrix's spec) from the stored bytes, never decoded."""
+  E, n = s.shape[0], len(layers)
+  arrays = []
+  for part, (shape, _) in enumerate(kept_shapes(fmt, s.shape)):
+    if mesh is None:
+      pieces = [read_kept(leaf, k, 0, E)[part] for k in range(n)]
+      arrays.append(jnp.asarray(np.stack(pieces) if stacked else pieces[0]))
+      continue
+    shape = (n, *shape) if stacked else shape
+    full = P(None, *spec) if stacked else spec
+    _check_divides(fn, mesh, full, shape, f"params.{leaf}.{('values', 'scales')[part]}")
+
+    def cb(index, part=part):
+      ks = range(n)[index[0]] if stacked else [0]
+      rest = index[1:] if stacked else index
+      lo, hi, _ = rest[0].indices(E)
+      pieces = [read_kept(leaf, k, lo, hi)[part][(slice(None), *rest[1:])] for k in ks]
+      return np.stack(pieces) if stacked else pieces[0]
+
+    arrays.append(jax.make_array_from_callback(shape, NamedSharding(mesh, full), cb))
+  return QuantizedArray(*arrays, fmt, jnp.dtype(cfg.param_dtype))
+
+
 def load_moe_layer(
   path: str | os.PathLike,
   layer: int,
@@ -266,6 +360,7 @@ def load_moe_layer(
   expert_axis: str | tuple[str, ...] = EXPERT,
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  keep_quantized: bool = False,
 ) -> tuple[MoEConfig, MoEParams]:
   """Loads the MoE block of one decoder layer of a Hugging Face checkpoint.
 
@@ -285,6 +380,11 @@ def load_moe_layer(
       device reads only its slice of every expert's hidden dimension.
     expert_fsdp_axis: `MoEConfig.expert_fsdp_axis` (default None): with a mesh, each
       device reads only its slice of the last dimension of every expert matrix.
+    keep_quantized: keep the routed experts' matrices stored as MXFP4 or block-FP8 as stored
+      (default False: dequantized to `dtype`): each is a `QuantizedArray` ("mxfp4" or "fp8")
+      holding the checkpoint's bytes, whose `dequantize()` is the matrix `keep_quantized=False`
+      loads, `dtype` its logical dtype. Its values and scales are each placed with the
+      matrix's spec. Other tensors, and float checkpoints, load as without it.
 
   Returns:
     (cfg: MoEConfig, params: MoEParams) such that `moe_layer(params, x, cfg)` computes the
@@ -295,7 +395,10 @@ def load_moe_layer(
     ValueError: an unsupported model_type or config field, only pickle files, a layer out of
       range or dense, a tensor missing or of a shape other than config.json implies, an
       expert tensor not of a float dtype (FP8 without block scales), block-FP8 scales of
-      another shape than the block implies.
+      another shape than the block implies; with `keep_quantized`, a quantized matrix whose
+      layout a `QuantizedArray` cannot keep (FP8 blocks other than 128 x 128 or not dividing
+      the matrix, a fused or transposed layout the blocks cannot follow, values or scales a
+      mesh axis does not divide).
   """
   fn = "load_moe_layer"
   block = _open(fn, path)
@@ -303,7 +406,9 @@ def load_moe_layer(
   cfg = _config(fn, block, layer, dtype, expert_axis, expert_tensor_axis, expert_fsdp_axis)
   mesh = _mesh(fn, mesh, cfg)
   _check_tensors(fn, block, layer, cfg)
-  return cfg, _build(block, cfg, [layer], mesh, stacked=False)
+  kept = _kept(fn, block, [layer], cfg, keep_quantized)
+  params = _build(fn, block, cfg, [layer], mesh, False, kept)
+  return _with_format(cfg, kept), params
 
 
 def load_moe_layers(
@@ -314,6 +419,7 @@ def load_moe_layers(
   expert_axis: str | tuple[str, ...] = EXPERT,
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  keep_quantized: bool = False,
 ) -> tuple[MoEConfig, MoEParams]:
   """Loads every MoE block of a checkpoint, leaves stacked on a leading layer axis.
 
@@ -322,11 +428,12 @@ def load_moe_layers(
   `nnx.scan`. With a mesh each leaf's spec is `P(None, *moe_param_specs(cfg).leaf)`.
 
   Args:
-    path, mesh, dtype, expert_axis, expert_tensor_axis, expert_fsdp_axis: as
+    path, mesh, dtype, expert_axis, expert_tensor_axis, expert_fsdp_axis, keep_quantized: as
       `load_moe_layer`.
 
   Returns:
-    (cfg: MoEConfig, params: MoEParams with every leaf [L, ...]).
+    (cfg: MoEConfig, params: MoEParams with every leaf [L, ...]; a kept `QuantizedArray`'s
+    values and scales both [L, ...]).
 
   Raises:
     FileNotFoundError, ValueError: as `load_moe_layer`; ValueError also when the checkpoint
@@ -341,12 +448,39 @@ def load_moe_layers(
   mesh = _mesh(fn, mesh, cfg)
   for i in layers:
     _check_tensors(fn, block, i, cfg)
-  return cfg, _build(block, cfg, layers, mesh, stacked=True)
+  kept = _kept(fn, block, layers, cfg, keep_quantized)
+  params = _build(fn, block, cfg, layers, mesh, True, kept)
+  return _with_format(cfg, kept), params
 
 
 def moe_layers(path: str | os.PathLike) -> list[int]:
   """Returns the decoder layer indices whose block is MoE, by config.json."""
   return _open("moe_layers", path).moe_layers()
+
+
+def _write_formats(fn, block, lay, cfg, quantized, like):
+  """{tensor name: format} of a layout whose leaves are `QuantizedArray`s, raising unless
+  each leaf is one in the format the checkpoint stores its tensor in."""
+  shapes = _leaf_shapes(cfg)
+  names = list(lay.tensors(shapes))
+  try:
+    want = lay.kept(block.ckpt, shapes)
+  except ValueError as e:
+    raise ValueError(
+      f"{fn}: params holds QuantizedArrays where {str(like)!r} stores {e}; dequantize them "
+      f"first (ms.dequantize_experts(params))"
+    ) from None
+  for k in lay.leaves:
+    got = quantized[k].fmt if k in quantized else None
+    if got != want.get(k):
+      held = f"a QuantizedArray in {got!r}" if got else "a float array"
+      how = f"as {want[k]!r}" if k in want else f"as {block.ckpt.meta(names[0])[1]} floats"
+      raise ValueError(
+        f"{fn}: params.{k} is {held}, but {str(like)!r} stores tensor {names[0]!r} {how}: a "
+        f"QuantizedArray is written only in the format its tensor is stored in; pass float "
+        f"leaves (ms.dequantize_experts(params)) to have them quantized as stored"
+      )
+  return dict.fromkeys(names, want[lay.leaves[0]])
 
 
 def save_moe_layers(
@@ -368,7 +502,8 @@ def save_moe_layers(
   scale, values rounded to nearest even, for a block that changed. Block-FP8 tensors are
   written as F8_E4M3 with `like`'s `weight_scale_inv` (unchanged weights bit for bit; a
   value beyond 448 times its block's scale raises). config.json keeps its
-  `quantization_config`.
+  `quantization_config`. A `QuantizedArray` leaf (`keep_quantized=True`) is written as its
+  bytes, values and scales, in the format `like` stores its tensor in, which it must be.
 
   Args:
     path: the output folder (created; must not be `like`).
@@ -380,7 +515,9 @@ def save_moe_layers(
 
   Raises:
     ValueError: `path` is `like`, the stack length differs from len(layers), a block-FP8
-      value does not fit its stored scale, or as `load_moe_layer` for `like`.
+      value does not fit its stored scale, a `QuantizedArray` in a format other than the one
+      `like` stores its tensor in ("int8", MXFP4 where `like` stores FP8 or floats, ...), or
+      as `load_moe_layer` for `like`.
   """
   fn = "save_moe_layers"
   block = _open(fn, like)
@@ -390,24 +527,39 @@ def save_moe_layers(
   layers = [_check_layer(fn, block, i) for i in layers]
   if not isinstance(params, MoEParams):
     raise TypeError(f"{fn}: params must be a MoEParams (got {type(params).__name__})")
-  leaves = _leaves(params)
+  leaves = _leaves(params, is_leaf=is_quantized)
   for k, a in leaves.items():
     if a.ndim == 0 or a.shape[0] != len(layers):
       raise ValueError(
         f"{fn}: params.{k} must be stacked on a leading axis of {len(layers)} layers "
         f"{layers} (got shape {tuple(a.shape)})"
       )
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+    if any(
+      isinstance(x, jax.Array) and not x.is_fully_addressable
+      for x in (a.arrays() if is_quantized(a) else [a])
+    ):
       raise ValueError(
         f"{fn}: params.{k} must be fully addressable by this process to be written (gather "
         f"it first, e.g. jax.experimental.multihost_utils.process_allgather)"
       )
+  floats = {k: a for k, a in leaves.items() if not is_quantized(a)}
+  quantized = {k: a for k, a in leaves.items() if is_quantized(a)}
   moe, shards = set(), []
   for pos, i in enumerate(layers):
     _check_tensors(fn, block, i, cfg)
-    arrays = {k: np.asarray(jax.device_get(a[pos])) for k, a in leaves.items()}
+    arrays = {k: np.asarray(jax.device_get(a[pos])) for k, a in floats.items()}
+    kept = {
+      k: tuple(np.asarray(jax.device_get(x[pos])) for x in q.arrays()) for k, q in quantized.items()
+    }
     shard = {}
     for lay in block.at(i):
+      if any(k in quantized for k in lay.leaves):
+        fmts = _write_formats(fn, block, lay, cfg, quantized, like)
+        for name, (values, scales) in lay.write_kept(kept).items():
+          tensors = stored_kept(name, fmts[name], values, scales)
+          moe.update(tensors)
+          shard.update(tensors)
+        continue
       for name, a in lay.write(arrays).items():
         _, how = stored(block.ckpt, name)
         if how == "mxfp4":
