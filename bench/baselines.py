@@ -94,27 +94,12 @@ class GShard:
     return y_TD, {"dropped_items": dropped}
 
 
-def dense_limit(case):
-  """The physical limit of a case: its routed FLOPs as plain dense matmuls on each device.
-
-  Under `shard_map`, each device multiplies its T_dev * K items (the tokens' rows already
-  repeated K times) by its own matrices of the case's shapes: one [D, F] matrix at kernel
-  level; at layer level the router's [D, E] on its T_dev tokens and a SwiGLU (gate, up
-  [D, F], down [F, D]). No routing, sort or communication (each device's weights are its
-  own, so no gradient is summed across devices): what any implementation of the case
-  would take if dispatch were free. The benchmark's efficiency column is this time over
-  each row's.
-
-  Returns:
-    ({"fwd": jitted fn, "fwd_bwd": jitted fn}, args): the programs and their inputs (real
-    arrays, or ShapeDtypeStructs when the case is abstract).
-  """
+def _limit_inputs(case):
+  """(mesh, the tokens' spec, `put`) of the limit rows: `put(shape, spec, dtype=the case's,
+  scale=1.0)` places a seeded normal draw (a ShapeDtypeStruct when the case is abstract)."""
   mesh = case.mesh
-  n_dev = mesh.size
   tok = P(tuple(mesh.axis_names))
-  T, D, F, K, E = case.size.T, case.size.D, case.size.F, case.size.K, case.E
   dtype = jnp.dtype(case.size.dtype)
-  f32 = dict(preferred_element_type=jnp.float32)
   abstract = isinstance(case.args[0], jax.ShapeDtypeStruct) or isinstance(
     getattr(case.args[0], "router_DE", None), jax.ShapeDtypeStruct
   )
@@ -127,13 +112,55 @@ def dense_limit(case):
     a = (rng.standard_normal(shape, np.float32) * np.float32(scale)).astype(dt)
     return jax.make_array_from_callback(shape, sharding, lambda index: a[index])
 
+  return mesh, tok, put
+
+
+def _limit_programs(mesh, tok, per_device, x, dy, ws):
+  """The jitted fwd and fwd_bwd of a limit row: `per_device` under shard_map, each device's
+  weights its own (a weight of ndim 2 is replicated); fwd_bwd pulls `dy` back."""
+  specs = (tok,) + tuple(P() if w.ndim == 2 else tok for w in ws)
+  outs = jax.tree.map(lambda _: tok, dy)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=outs)
+
+  def fwd(x, dy, *ws):
+    return fn(x, *ws)
+
+  def fwd_bwd(x, dy, *ws):
+    y, vjp = jax.vjp(fn, x, *ws)
+    return (y, *vjp(dy))
+
+  return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(fwd_bwd)}, (x, dy, *ws)
+
+
+def dense_limit(case):
+  """The physical limit of a case: its routed FLOPs as plain dense matmuls on each device.
+
+  Under `shard_map`, each device multiplies its T_dev * K items (the tokens' rows already
+  repeated K times) by its own matrices of the case's shapes: one [D, F] matrix at kernel
+  level; at layer level the router's [D, E] (float32, as the layer's) on its T_dev tokens
+  and a SwiGLU (gate, up [D, F], down [F, D]). No routing, sort or communication (each
+  device's weights are its own, so no gradient is summed across devices): what any
+  implementation of the case would take if dispatch were free. The benchmark's efficiency
+  column is this time over each row's.
+
+  The expert matmuls accumulate in float32 and write the case's dtype, as the layer's own
+  do: a float32 result would make the backward's cotangents float32, and every backward
+  matmul of a bfloat16 case float32 x float32 (`tests/test_bench.py` reads the program).
+
+  Returns:
+    ({"fwd": jitted fn, "fwd_bwd": jitted fn}, args): the programs and their inputs (real
+    arrays, or ShapeDtypeStructs when the case is abstract).
+  """
+  mesh, tok, put = _limit_inputs(case)
+  n_dev = mesh.size
+  T, D, F, K, E = case.size.T, case.size.D, case.size.F, case.size.K, case.E
   x = put((T * K, D), tok)
   if case.level == "kernel":
     ws = (put((n_dev, D, F), tok, scale=D**-0.5),)
     dy = put((T * K, F), tok)
 
     def per_device(x_ID, w_1DF):
-      return jnp.einsum("id,df->if", x_ID, w_1DF[0], **f32).astype(x_ID.dtype)
+      return jnp.einsum("id,df->if", x_ID, w_1DF[0], preferred_element_type=x_ID.dtype)
   else:
     ws = (
       put((D, E), P(), jnp.float32, D**-0.5),
@@ -145,21 +172,53 @@ def dense_limit(case):
 
     def per_device(x_ID, router_DE, gate_1DF, up_1DF, down_1FD):
       # The router on the device's T_dev tokens (every K-th row), then one SwiGLU.
+      out = dict(preferred_element_type=x_ID.dtype)
       logits_TE = jnp.einsum("td,de->te", x_ID[::K].astype(jnp.float32), router_DE)
-      g_IF = jnp.einsum("id,df->if", x_ID, gate_1DF[0], **f32)
-      u_IF = jnp.einsum("id,df->if", x_ID, up_1DF[0], **f32)
+      g_IF = jnp.einsum("id,df->if", x_ID, gate_1DF[0], **out).astype(jnp.float32)
+      u_IF = jnp.einsum("id,df->if", x_ID, up_1DF[0], **out).astype(jnp.float32)
       h_IF = (jax.nn.silu(g_IF) * u_IF).astype(x_ID.dtype)
-      y_ID = jnp.einsum("if,fd->id", h_IF, down_1FD[0], **f32)
-      return (y_ID + jnp.mean(logits_TE)).astype(x_ID.dtype)
+      y_ID = jnp.einsum("if,fd->id", h_IF, down_1FD[0], **out)
+      return (y_ID.astype(jnp.float32) + jnp.mean(logits_TE)).astype(x_ID.dtype)
 
-  specs = (tok,) + tuple(P() if w.ndim == 2 else tok for w in ws)
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=tok)
+  return _limit_programs(mesh, tok, per_device, x, dy, ws)
 
-  def fwd(x, dy, *ws):
-    return fn(x, *ws)
 
-  def fwd_bwd(x, dy, *ws):
-    y, vjp = jax.vjp(fn, x, *ws)
-    return (y, *vjp(dy))
+def matmul_limit(case):
+  """The routed FLOPs as bare dense matmuls in the case's dtype: what the matmuls alone take.
 
-  return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(fwd_bwd)}, (x, dy, *ws)
+  Under `shard_map`, each device runs its share of the routed FLOPs as dense matmuls whose
+  inputs and outputs are in the case's dtype (products accumulated in float32 by the
+  platform's matmul): at kernel level x_ID @ w_DF; at layer level the router's
+  x_TD @ r_DE on its T_dev tokens and the three SwiGLU matmuls, g_IF = x_ID @ gate_DF,
+  u_IF = x_ID @ up_DF and y_ID = g_IF @ down_FD, with no elementwise work between them
+  (u_IF and the logits are outputs, so none is dead). Its forward executes exactly the
+  routed FLOPs and its backward twice them, in matmuls alone; `dense_limit` adds the
+  SwiGLU's elementwise and the layer's float32 router.
+
+  Returns:
+    ({"fwd": jitted fn, "fwd_bwd": jitted fn}, args), as `dense_limit`.
+  """
+  mesh, tok, put = _limit_inputs(case)
+  n_dev = mesh.size
+  T, D, F, K, E = case.size.T, case.size.D, case.size.F, case.size.K, case.E
+  x = put((T * K, D), tok)
+  if case.level == "kernel":
+    ws = (put((n_dev, D, F), tok, scale=D**-0.5),)
+    dy = put((T * K, F), tok)
+
+    def per_device(x_ID, w_1DF):
+      return x_ID @ w_1DF[0]
+  else:
+    ws = (
+      put((n_dev, D, E), tok, scale=D**-0.5),
+      put((n_dev, D, F), tok, scale=D**-0.5),
+      put((n_dev, D, F), tok, scale=D**-0.5),
+      put((n_dev, F, D), tok, scale=F**-0.5),
+    )
+    dy = (put((T * K, D), tok), put((T * K, F), tok), put((T, E), tok))
+
+    def per_device(x_ID, router_1DE, gate_1DF, up_1DF, down_1FD):
+      g_IF = x_ID @ gate_1DF[0]
+      return g_IF @ down_1FD[0], x_ID @ up_1DF[0], x_ID[::K] @ router_1DE[0]
+
+  return _limit_programs(mesh, tok, per_device, x, dy, ws)

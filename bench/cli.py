@@ -26,6 +26,15 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
     second being the one the roofline uses.
   rounds: all_to_all dispatch rounds; dropped: (token, slot) items the capacity-factor
     baseline drops (the others are dropless).
+  rel err (max abs): the forward against a NumPy reference of the same inputs and host
+    routing (float32, float64 sums): ||y - ref|| / ||ref|| over the whole output, and in
+    brackets max |y - ref|, which one token routed otherwise (a near tie of its router
+    logits, TF32 on a GPU) makes O(|y|) (`run._errors`).
+  dense_limit, matmul_limit: the routed FLOPs as dense matmuls per device, no dispatch
+    (`bench/baselines.py`): the first with the layer's SwiGLU and float32 router (eff. is
+    its time over each row's), the second the matmuls alone in the case's dtype.
+  auto: the library's default dispatch on the mesh; torch_moe: a torchtitan-style PyTorch
+    layer on one CUDA device (`bench/torch_peer.py`), elsewhere "not run" with the reason.
   Memory per device (layer level): the layer's parameters as stored (their shardings: a
     tensor axis in --mesh splits each expert's F, --fsdp its D), the program's arguments
     and temp; with --model-layers L, the weights, gradients and Adam state of L layers.

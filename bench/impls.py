@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import moe_shard as ms
 from bench import accounting, baselines
 
 
@@ -33,20 +34,54 @@ class Impl:
     per_size: `dispatch` is a factory of the size.
     programs: for a row that is not a dispatch (the dense limit): `case -> (programs,
       args)`, replacing the dispatch path; its forward is not checked against the MoE
-      reference (it computes something else).
+      reference (it computes something else), unless `foreign`. It raises `NotRun` where
+      the row cannot run (the row then says why).
+    foreign: `programs` run outside JAX (PyTorch): timed in turns with the others, their
+      forward checked against the reference, nothing compiled or read from XLA.
   """
 
   dispatch: str | Callable | None
   accounting: Callable = accounting.unknown
   per_size: bool = False
   programs: Callable | None = None
+  foreign: bool = False
 
   def resolve(self, size):
     """The dispatch for a size: a library name or a function."""
     return self.dispatch(size) if self.per_size else self.dispatch
 
 
+class NotRun(Exception):
+  """An entry that cannot run here (no PyTorch, no GPU, another level); says why."""
+
+
+def _auto_accounting(case, on_tpu=False):
+  """The accounting of the dispatch "auto" resolves to on the case's mesh and platform."""
+  resolved = ms.choose_impl(case.cfg, case.mesh)
+  return _BY_DISPATCH.get(resolved, accounting.unknown)(case, on_tpu)
+
+
+def _torch_moe(case):
+  from bench import torch_peer  # imports PyTorch only when the row runs
+
+  try:
+    return torch_peer.moe_programs(case)
+  except torch_peer.NotRun as err:
+    raise NotRun(str(err)) from None
+
+
+_BY_DISPATCH = {
+  "all_to_all": accounting.all_to_all,
+  "ragged_all_to_all": accounting.ragged_all_to_all,
+  "all_gather": accounting.all_gather,
+  "ragged_dot": accounting.ragged_dot,
+  "masked_scan": accounting.masked_scan,
+}
+
 BENCH_IMPLS = {
+  # The library's default: what `MoEConfig(impl="auto")` picks on the case's mesh
+  # (`ms.choose_impl`; one device: "ragged_dot", TPU and GPU meshes: "ragged_all_to_all").
+  "auto": Impl("auto", _auto_accounting),
   "all_to_all": Impl("all_to_all", accounting.all_to_all),
   # On CPU (no ragged-all-to-all in XLA) this runs the emulation: padded all_to_alls.
   "ragged_all_to_all": Impl("ragged_all_to_all", accounting.ragged_all_to_all),
@@ -57,6 +92,9 @@ BENCH_IMPLS = {
     lambda size: baselines.GShard(size.capacity_factor), accounting.gshard, per_size=True
   ),
   "dense_limit": Impl(None, accounting.unknown, programs=baselines.dense_limit),
+  "matmul_limit": Impl(None, accounting.unknown, programs=baselines.matmul_limit),
+  # A torchtitan-style PyTorch layer (`bench/torch_peer.py`): one CUDA device, layer level.
+  "torch_moe": Impl(None, accounting.unknown, programs=_torch_moe, foreign=True),
 }
 
 

@@ -30,7 +30,7 @@ def table(rows):
     head = (
       "| level | T | E | routing | mode | impl | median ms (min-max) | GFLOP/s | eff. | "
       "flops x | MiB/dev | x bound (uniform/routing) | temp MiB | rounds | dropped | "
-      "max err | compile s |"
+      "rel err (max abs) | compile s |"
     )
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
@@ -45,10 +45,13 @@ def table(rows):
     )
     star = "*" if r.get("loop_counted_once") else ""
     eff = f"{r['efficiency']:.2f}" if r.get("efficiency") else "-"
+    # A row run outside XLA (the PyTorch peer) has no compiled program to read: "-".
+    flops = f"{r['flops_ratio']:.2f}{star}" if "flops_ratio" in r else "-"
+    wire = f"{r['wire_bytes'] / 2**20:.2f}{star}" if "wire_bytes" in r else "-"
+    temp = f"{r['temp_bytes'] / 2**20:.1f}" if "temp_bytes" in r else "-"
     tail = (
-      f"| {eff} | {r['flops_ratio']:.2f}{star} | {r['wire_bytes'] / 2**20:.2f}{star} | {bound} | "
-      f"{r['temp_bytes'] / 2**20:.1f} | {r['rounds'] if r['rounds'] else '-'} | "
-      f"{r['dropped']} "
+      f"| {eff} | {flops} | {wire} | {bound} | {temp} | "
+      f"{r['rounds'] if r['rounds'] else '-'} | {r['dropped']} "
     )
     if tpu:
       roof = (
@@ -67,7 +70,13 @@ def table(rows):
       )
     else:
       t = r["time_s"]
-      err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "-"
+      err = (
+        f"{r['rel_err']:.1e} ({r['max_abs_err']:.1e})"
+        if "rel_err" in r
+        else f"- ({r['max_abs_err']:.1e})"
+        if "max_abs_err" in r
+        else "-"
+      )
       out.append(
         common + f"| {_ms(t['median'])} ({_ms(t['min'])}-{_ms(t['max'])}) | "
         f"{r['gflops']:.1f} " + tail + f"| {err} | {r['compile_s']:.1f} |"
@@ -255,6 +264,7 @@ CSV_FIELDS = (
   "rounds",
   "dropped",
   "max_abs_err",
+  "rel_err",
   "efficiency",
   "topology",
   "xla_optimal_s",
@@ -313,7 +323,7 @@ def plot(rows, path):
       )
       axes[1, col].bar(
         xs,
-        [by[c]["wire_bytes"] / 2**20 for c in cases if c in by],
+        [by[c].get("wire_bytes", 0) / 2**20 for c in cases if c in by],
         width,
         color=f"C{i}",
         label=impl,
