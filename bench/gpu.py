@@ -3,13 +3,16 @@
     JAX_PLATFORMS=cuda python -m bench.gpu [--repeats N] [--groups 8,32,128] [--out STEM]
     JAX_PLATFORMS=cuda python -m bench.gpu --sweep 32,128 [--out STEM]   # block configs
 
-M=32768 rows, D=2048, F=4096, bfloat16, G groups with uniform and skewed sizes (one group
-holds half the rows, a quarter of the others are empty; `bench.gmm.group_sizes`). For each
-grouped-matmul backend that runs on a GPU ("mosaic_gpu": JAX's Hopper kernels,
+M=32768 rows, D=2048, F=4096 (`--shape`), bfloat16, G groups with uniform and skewed sizes
+(one group holds half the rows, a quarter of the others are empty; `bench.gmm.group_sizes`).
+For each grouped-matmul backend that runs on a GPU ("mosaic_gpu": JAX's Hopper kernels,
 `moe_shard.kernels.gpu`; "ragged_dot": `lax.ragged_dot`; "tiled": the while-loop kernel;
-"auto": what the library picks there), it times the forward (y) and forward+backward (y, dx,
-dw), and one dense [M, D] @ [D, F] matmul (cuBLAS through XLA) with its backward:
-speed/dense is the dense time over the backend's, both medians of calls timed in turns.
+"tokamax": tokamax's ragged_dot, where it is installed; "auto": what the library picks
+there) and for the PyTorch peer ("torch": `torch._grouped_mm`, `bench/torch_peer.py`, where
+PyTorch sees a CUDA device; "not run" with the reason elsewhere), it times the forward (y)
+and forward+backward (y, dx, dw), and one dense [M, D] @ [D, F] matmul (cuBLAS through XLA)
+with its backward: speed/dense is the dense time over the backend's, both medians of calls
+timed in turns (a PyTorch call ends with `torch.cuda.synchronize()`).
 `--sweep` times `mosaic_gpu_gmm` forward and forward+backward with each block config of
 `SWEEP` (uniform sizes). Nothing is estimated: every figure is a wall-clock time on the GPU
 found.
@@ -27,13 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import common
+from bench import common, torch_peer
 from bench.gmm import group_sizes
 from moe_shard.kernels import gpu as gmm_gpu
 
 gmm_lib = importlib.import_module("moe_shard.kernels.grouped_matmul")
 
-M, D, F = 32768, 2048, 4096
+SHAPE = (32768, 2048, 4096)  # M, D, F; `--shape` sets them
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); the first is the default.
 SWEEP = [
   (128, 128, 64, 4, 1),
@@ -77,11 +80,15 @@ def _dense():
 
 
 def _max_err(got, want):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  got, want = (
+    torch_peer.to_numpy(a) if hasattr(a, "detach") else np.asarray(a, np.float32)
+    for a in (got, want)
+  )
   return float(np.max(np.abs(got - want)) / max(1.0, np.max(np.abs(want))))
 
 
 def _inputs(G):
+  M, D, F = SHAPE
   kx, kw, kdy = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (M, D), jnp.bfloat16)
   dy = jax.random.normal(kdy, (M, F), jnp.bfloat16)
@@ -89,9 +96,9 @@ def _inputs(G):
   return x, w, dy
 
 
-def _measure(row, prog, dense_prog, args, repeats, ref=None):
+def _measure(row, prog, dense_prog, args, repeats, ref=None, dense_args=None):
   """Compiles and times one program against the dense one; errors become the row's."""
-  x, w, _, dy = args
+  x, w, _, dy = args if dense_args is None else dense_args
   try:
     t0 = time.perf_counter()
     out = jax.block_until_ready(prog(*args))
@@ -109,25 +116,36 @@ def _measure(row, prog, dense_prog, args, repeats, ref=None):
     return None
 
 
-def run(groups, impls, repeats, on_row=print):
-  """Each backend at each G, uniform and skewed sizes, fwd and fwd+bwd."""
+def run(groups, impls, repeats, on_row=print, skews=("uniform", "skewed")):
+  """Each backend at each G and each of `skews` (group sizes), fwd and fwd+bwd."""
   dense = _dense()
   for G in groups:
     x, w, dy = _inputs(G)
-    for skew in ("uniform", "skewed"):
-      gs = jnp.asarray(group_sizes(G, skew, num_rows=M))
+    for skew in skews:
+      gs = jnp.asarray(group_sizes(G, skew, num_rows=SHAPE[0]))
       ref = None
       for impl in impls:
-        progs = _programs(impl)
+        args, not_run = (x, w, gs, dy), None
+        if impl == "torch":  # the PyTorch peer, on the same values
+          try:
+            progs, args = torch_peer.grouped_mm_programs(x, w, gs, dy)
+          except torch_peer.NotRun as err:
+            not_run = f"not run: {err}"
+        else:
+          progs = _programs(impl)
         for mode in ("fwd", "fwd+bwd"):
           row = dict(G=G, skew=skew, impl=impl, mode=mode)
+          if not_run:
+            on_row(dict(row, error=not_run))
+            continue
           out = _measure(
             row,
             progs[mode],
             dense[mode],
-            (x, w, gs, dy),
+            args,
             repeats,
             ref=ref if mode == "fwd" else None,
+            dense_args=(x, w, gs, dy),
           )
           if mode == "fwd" and ref is None and out is not None:
             ref = out
@@ -140,7 +158,7 @@ def sweep(groups, repeats, on_row=print):
   dense = _dense()
   for G in groups:
     x, w, dy = _inputs(G)
-    gs = jnp.asarray(group_sizes(G, "uniform", num_rows=M))
+    gs = jnp.asarray(group_sizes(G, "uniform", num_rows=SHAPE[0]))
     for cfg in SWEEP:
       blocks = gmm_gpu.BlockConfig(*cfg)
       progs = _programs(None, lambda x, w, gs, b=blocks: gmm_gpu.mosaic_gpu_gmm(x, w, gs, blocks=b))
@@ -167,11 +185,25 @@ def _row_md(r):
 
 
 def main(argv=None):
+  global SHAPE
   argv = sys.argv[1:] if argv is None else argv
   p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--groups", default="8,32,128")
-  p.add_argument("--impls", default="auto,ragged_dot,mosaic_gpu,tiled")
+  p.add_argument(
+    "--impls",
+    default="auto,mosaic_gpu,tokamax,torch,ragged_dot,tiled",
+    help="grouped-matmul backends (BACKENDS names and auto) and torch (torch._grouped_mm)",
+  )
+  p.add_argument(
+    "--sizes", default="uniform,skewed", help="group sizes: uniform, skewed or both (default)"
+  )
+  p.add_argument(
+    "--shape",
+    default=",".join(map(str, SHAPE)),
+    metavar="M,D,F",
+    help="rows, model width, expert width (default %(default)s)",
+  )
   p.add_argument(
     "--sweep",
     default=None,
@@ -180,8 +212,16 @@ def main(argv=None):
   )
   p.add_argument("--out", default=None, help="write STEM.json and STEM.md")
   a = p.parse_args(argv)
+  try:
+    SHAPE = tuple(int(v) for v in a.shape.split(","))
+  except ValueError:
+    SHAPE = ()
+  if len(SHAPE) != 3 or min(SHAPE) < 1:
+    p.error(f"--shape must be three positive integers M,D,F (got {a.shape!r})")
   info = common.machine_info()
   info["gpu"] = str(jax.devices()[0].device_kind)
+  if torch_peer.unavailable() is None:
+    info["torch"] = ", PyTorch " + importlib.import_module("torch").__version__
   print(f"# Grouped matmul on {info['gpu']} (JAX {info['jax']})\n", flush=True)
   print(HEADER, flush=True)
   t0 = time.perf_counter()
@@ -197,7 +237,10 @@ def main(argv=None):
   if a.sweep:
     sweep([int(g) for g in a.sweep.split(",")], a.repeats, on_row)
   else:
-    run([int(g) for g in a.groups.split(",")], a.impls.split(","), a.repeats, on_row)
+    skews = a.sizes.split(",")
+    if not skews or any(k not in ("uniform", "skewed") for k in skews):
+      p.error(f"--sizes must be uniform, skewed or both (got {a.sizes!r})")
+    run([int(g) for g in a.groups.split(",")], a.impls.split(","), a.repeats, on_row, skews)
 
 
 def _write(a, argv, info, rows):
@@ -213,8 +256,9 @@ def _write(a, argv, info, rows):
     f.write(
       f"# Grouped matmul on one GPU: {info['gpu']}\n\n`python -m bench.gpu "
       f"{' '.join(argv)}`\n\nMeasured (wall clock, medians of {a.repeats} calls "
-      f"timed in turns with the dense matmul) on {info['gpu']}, JAX {info['jax']}. "
-      f"M={M}, D={D}, F={F}, bfloat16. {what}speed/dense: the time of one dense "
+      f"timed in turns with the dense matmul) on {info['gpu']}, JAX {info['jax']}"
+      f"{info.get('torch', '')}. M={SHAPE[0]}, D={SHAPE[1]}, F={SHAPE[2]}, bfloat16. "
+      f"{what}speed/dense: the time of one dense "
       "[M, D] @ [D, F] matmul (fwd) or its fwd+bwd over the backend's. max err vs "
       "first: the forward's largest difference from the first impl's, over max|y|."
       "\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n"

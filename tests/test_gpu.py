@@ -14,6 +14,7 @@ float32 matmuls run at "highest" precision here (XLA:GPU would otherwise use TF3
 10-bit mantissa is outside the float32 tolerance); bfloat16 cases keep the default.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -25,6 +26,7 @@ from cases import ROUTINGS, assert_close, assert_tree_close, cotangent, feasible
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
+from moe_shard.kernels import tokamax as tokamax_backend
 from moe_shard.kernels.grouped_matmul import GMM_CHOICES
 from moe_shard.parallel import ragged_all_to_all_emulated
 
@@ -39,6 +41,13 @@ pytestmark = pytest.mark.skipif(
 def _highest_precision():
   with jax.default_matmul_precision("highest"):
     yield
+
+
+_needs_tokamax = pytest.mark.skipif(
+  not tokamax_backend.available(),
+  reason="tokamax is not installed: bench/gpu_h100.sh installs it from .whl/ "
+  "(bench/gpu_wheels.sh fetches the wheels)",
+)
 
 
 def _mesh(names=("data", "expert")):
@@ -99,8 +108,19 @@ def _gmm_reference(x, w, sizes, dy):
   return y, dx, dw
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("impl", GMM_CHOICES)
+# Every backend that runs on a GPU, in both dtypes, but for what other tests cover: megablox
+# here runs its TPU kernels in Pallas' interpret mode (slow to compile, and checked on CPU by
+# tests/test_grouped_matmul.py), and mosaic_gpu in float32 is lax.ragged_dot.
+GPU_GMM = [
+  pytest.param(impl, dtype, marks=_needs_tokamax) if impl == "tokamax" else (impl, dtype)
+  for impl in GMM_CHOICES
+  if impl != "megablox"
+  for dtype in ("float32", "bfloat16")
+  if (impl, dtype) != ("mosaic_gpu", "float32")
+]
+
+
+@pytest.mark.parametrize(("impl", "dtype"), GPU_GMM)
 def test_grouped_matmul_backends(impl, dtype):
   """Empty groups, one big group and rows past the groups' total, forward and backward."""
   rng = np.random.default_rng(1)
@@ -132,8 +152,12 @@ MOSAIC_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("case", list(MOSAIC_CASES))
+# Every case in bfloat16; float16 (the same kernels at another dtype) on two of them.
+@pytest.mark.parametrize(
+  ("case", "dtype"),
+  [(case, "bfloat16") for case in MOSAIC_CASES]
+  + [("empty_groups_rows_past", "float16"), ("odd_d_f_clipped", "float16")],
+)
 def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype):
   from moe_shard.kernels import gpu as gmm_gpu
 
@@ -216,6 +240,20 @@ def test_dispatch_matches_the_oracle(name, routing):
   )
 
 
+_LAYER = jax.jit(ms.moe_layer, static_argnums=(2, 3))
+
+
+@functools.cache
+def _layer_reference(cfg):
+  """The float32 masked-scan layer on `cfg`'s bf16 parameters and input (every impl of
+  `test_layer_in_bfloat16` shares it: one compile, one run)."""
+  ref_cfg = ms.MoEConfig(**{**cfg.__dict__, "impl": "masked_scan", "param_dtype": "float32"})
+  params = ms.init_moe_params(jax.random.key(0), cfg)
+  x = jax.random.normal(jax.random.key(1), (4, 32, 64), jnp.bfloat16)
+  params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  return _LAYER(params32, x.astype(jnp.float32), ref_cfg, None)[0]
+
+
 @pytest.mark.parametrize("impl", ["auto", "ragged_all_to_all", "all_to_all"])
 def test_layer_in_bfloat16(impl):
   """The whole layer (router, dispatch, shared expert) on the GPU mesh, bf16, against the
@@ -230,12 +268,10 @@ def test_layer_in_bfloat16(impl):
     impl=impl,
     param_dtype="bfloat16",
   )
-  ref_cfg = ms.MoEConfig(**{**cfg.__dict__, "impl": "masked_scan", "param_dtype": "float32"})
   params = ms.init_moe_params(jax.random.key(0), cfg)
   x = jax.random.normal(jax.random.key(1), (4, 32, 64), jnp.bfloat16)
-  y, aux = jax.jit(ms.moe_layer, static_argnums=(2, 3))(params, x, cfg, _mesh())
-  params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-  want, _ = jax.jit(ms.moe_layer, static_argnums=(2,))(params32, x.astype(jnp.float32), ref_cfg)
+  y, aux = _LAYER(params, x, cfg, _mesh())
+  want = _layer_reference(dataclasses.replace(cfg, impl="auto"))  # one per test module
   assert y.dtype == jnp.bfloat16
   assert_close(y.astype(jnp.float32), want, jnp.bfloat16, err_msg=impl)
   assert int(jnp.sum(aux["expert_load"])) == 4 * 32 * 2

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU tests and every GPU row on one H100, in one command (issue 37), under 8 minutes.
+#
+#   bash bench/gpu_h100.sh            # on the GPU machine, from the repository root
+#   bash bench/gpu_h100.sh --smoke    # on a CPU: tiny shapes, results in a temporary folder
+#   bash bench/gpu_h100.sh --dry-run  # print the steps and their time limits, run nothing
+#
+# Steps, each under its own time limit (a stuck step loses its own rows only):
+#   1. tests/test_gpu.py, test_tokamax.py, test_torch_peer.py      -> gpu_h100_tests.log
+#   2. python -m bench.gpu: auto, mosaic_gpu, tokamax and torch._grouped_mm at G = 8, 32,
+#      128, uniform sizes                                            -> gpu_h100_gmm.{json,md}
+#   3. python -m bench, the layer at E=8 and E=64 (T=32768, D=2048, F=4096, bf16): auto,
+#      torch_moe, ragged_all_to_all (1x1 mesh), dense_limit, matmul_limit
+#                                         -> gpu_h100_layer.{json,md}, gpu_h100_layer_e64.*
+#   4. the summary (`python -m bench.gpu_summary`): the ratios issue 37 asks for.
+# Results go to bench/results/ (RESULTS overrides) and, where $OUT is set (the device
+# tool), to $OUT as well. tokamax travels as wheels in .whl/ (bench/gpu_wheels.sh fetches
+# them here); where they are missing its rows say why.
+set -u
+cd "$(dirname "$0")/.."
+MODE=${1:-run}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# JAX and PyTorch share the GPU: JAX allocates as it goes instead of taking 75% up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+if [ "$MODE" = --smoke ]; then
+  RESULTS=${RESULTS:-$(mktemp -d)}
+  T=256 D=64 F=128 REPEATS=2 GMM="--shape 512,64,128 --groups 4,8"
+  TESTS_T=120 GMM_T=120 LAYER_T=240 LAYER64_T=240
+  export JAX_PLATFORMS=cpu
+else
+  [ "$MODE" = --dry-run ] && RESULTS=${RESULTS:-$(mktemp -d)}
+  RESULTS=${RESULTS:-bench/results}
+  # Limits: 160 + 100 + 120 + 80 s of steps, and about 20 s of setup, under 8 minutes.
+  T=32768 D=2048 F=4096 REPEATS=10 GMM="--groups 8,32,128"
+  TESTS_T=160 GMM_T=100 LAYER_T=120 LAYER64_T=80
+  export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+fi
+mkdir -p "$RESULTS"
+LOG="$RESULTS/gpu_h100_tests.log"
+
+step() {  # step SECONDS NAME COMMAND...: runs COMMAND under a time limit, says how it ended
+  local limit=$1 name=$2
+  shift 2
+  if [ "$MODE" = --dry-run ]; then
+    echo "[${limit}s] $name: $*"
+    return 0
+  fi
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=10 "$limit" "$@"
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0))s$([ $rc = 124 ] && echo ', TIMED OUT')"
+}
+
+if [ "$MODE" != --dry-run ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [ "$MODE" != --dry-run ]; then
+  "$PY" -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
+  "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())" 2>&1 | tail -1
+  "$PY" -c "import tokamax; print('tokamax imports')" 2>&1 | tail -1
+fi
+
+# 1. Tests. XLA's GEMM autotuning only picks faster kernels: off for the tests' compiles.
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+  step "$TESTS_T" tests "$PY" -m pytest -q -rs --durations=10 -p no:cacheprovider \
+  tests/test_gpu.py tests/test_tokamax.py tests/test_torch_peer.py 2>&1 | tee "$LOG"
+# 2. Grouped matmul against torch._grouped_mm (ragged_dot's rows: bench/results, earlier).
+# shellcheck disable=SC2086
+step "$GMM_T" gmm "$PY" -m bench.gpu $GMM --repeats "$REPEATS" \
+  --impls auto,mosaic_gpu,tokamax,torch --sizes uniform --out "$RESULTS/gpu_h100_gmm"
+# 3. The layer against the torchtitan-style PyTorch layer, one file per E.
+# ragged_all_to_all on the 1x1 mesh (against auto's local path) at E=8 only.
+for E in 8 64; do
+  stem="$RESULTS/gpu_h100_layer" impls=auto,torch_moe,ragged_all_to_all limit=$LAYER_T
+  [ "$E" = 64 ] && stem="${stem}_e64" impls=auto,torch_moe limit=$LAYER64_T
+  step "$limit" "layer E=$E" "$PY" -m bench -T "$T" -D "$D" -F "$F" -E "$E" \
+    --dtype bfloat16 --levels layer --modes fwd,fwd_bwd --repeats "$REPEATS" --mesh 1x1 \
+    --impls "$impls,dense_limit,matmul_limit" --no-progress --out "$stem"
+done
+[ "$MODE" = --dry-run ] && exit 0
+
+# 4. Summary; results to $OUT for the device tool (at most 8 files come back).
+"$PY" -m bench.gpu_summary "$RESULTS" --tests "$LOG" | tee "$RESULTS/gpu_h100_summary.txt"
+if [ -n "${OUT:-}" ]; then
+  cp "$RESULTS"/gpu_h100_{gmm,layer,layer_e64}.{json,md} "$RESULTS/gpu_h100_summary.txt" \
+    "$OUT"/ 2>/dev/null
+  cat "$LOG" >> "$OUT/gpu_h100_summary.txt"
+fi
+echo "results in $RESULTS"
