@@ -126,7 +126,7 @@ def dense_programs(T, E, mesh, seed=0):
 
   def local(ffn_1, x_MD):
     w = jax.tree.map(lambda a: a[0], ffn_1)
-    mm = ms.experts.dense_matmul
+    mm = ms.matmuls.dense_matmul
     return w(x_MD, mm)
 
   def fwd(ffn, x, dy):

@@ -18,6 +18,9 @@ Names for rematerialisation policies: `CHECKPOINT_NAMES` (remat.py). Framework m
 behind its optional extra and not imported here: `moe_shard.nnx.MoE` (Flax NNX) and
 `moe_shard.equinox.MoE` (Equinox).
 
+Quantized expert matrices (int8, FP8, MXFP4): `quantize_experts`, `dequantize_experts`,
+`QuantizedArray` (quant.py).
+
 Four tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py), the
 expert FFNs `EXPERTS` (experts.py) and the grouped-matmul `BACKENDS` (grouped_matmul.py).
 """
@@ -37,16 +40,16 @@ from moe_shard.experts import (
   ExpertFFN,
   GeGLU,
   GeluMLP,
-  GroupedMatmul,
   Linear,
-  MaskedMatmul,
   SwiGLU,
 )
 from moe_shard.kernels.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
 from moe_shard.layer import moe_layer, num_routing_groups
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
+from moe_shard.matmuls import GroupedMatmul, MaskedMatmul
 from moe_shard.parallel import moe_all_gather, moe_all_to_all, moe_ragged_all_to_all
 from moe_shard.params import MoEParams, init_moe_params, moe_param_shapes, moe_param_specs
+from moe_shard.quant import FORMATS, QuantizedArray, dequantize_experts, quantize_experts
 from moe_shard.remat import (
   CHECKPOINT_NAMES,
   MOE_DISPATCH_OUT,
@@ -74,6 +77,7 @@ __all__ = [
   "DISPATCHES",
   "EXPERT",
   "EXPERTS",
+  "FORMATS",
   "MOE_DISPATCH_OUT",
   "MOE_DISPATCH_RECV",
   "MOE_EXPERT_GATE",
@@ -92,11 +96,13 @@ __all__ = [
   "MaskedMatmul",
   "MoEConfig",
   "MoEParams",
+  "QuantizedArray",
   "Router",
   "Routing",
   "SwiGLU",
   "capacity",
   "choose_impl",
+  "dequantize_experts",
   "drop_over_capacity",
   "expert_choice_routing",
   "expert_load",
@@ -113,6 +119,7 @@ __all__ = [
   "moe_ragged_all_to_all",
   "moe_ragged_dot",
   "num_routing_groups",
+  "quantize_experts",
   "router_z_loss",
   "sequence_balance_loss",
   "top_k_routing",

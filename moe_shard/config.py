@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from moe_shard import _checks
+from moe_shard import _checks, quant
 from moe_shard.dispatch import DISPATCHES
 from moe_shard.experts import expert_class, split_dims
 from moe_shard.kernels.grouped_matmul import GMM_CHOICES
@@ -137,6 +137,11 @@ class MoEConfig:
     z_loss_coef: weight of the router z-loss in `aux["aux_loss"]` (default 1e-3).
     param_dtype: dtype of the expert and shared-expert weights (default float32). The router
       is always float32.
+    weights_format: None (default: the routed experts' matrices in `param_dtype`) or "int8",
+      "fp8" or "mxfp4": `init_moe_params` quantizes them (`quant.QuantizedArray`, frozen),
+      and `moe_param_shapes` and `moe_param_specs` describe the quantized leaves. The
+      layer takes quantized matrices whatever this says (`quantize_experts`); the blocks
+      of the format must divide d_model and d_ff (docs/guides/quantization.md).
     compute_dtype: dtype the tokens and expert weights are cast to for the expert matmuls,
       which accumulate in float32 (default None: the dtype of x).
     expert_axis: mesh axis the experts are split over (default "expert"), or a tuple of
@@ -185,6 +190,7 @@ class MoEConfig:
   load_balance_coef: float = 1e-2
   z_loss_coef: float = 1e-3
   param_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+  weights_format: str | None = None
   compute_dtype: jnp.dtype | None = None
   expert_axis: str | tuple[str, ...] = EXPERT
   expert_tensor_axis: str | None = None
@@ -236,6 +242,8 @@ class MoEConfig:
     for name in ("load_balance_coef", "z_loss_coef"):
       put(name, _checks.real_field(fn, name, getattr(self, name), positive=False))
     put("param_dtype", _checks.dtype_field(fn, "param_dtype", self.param_dtype))
+    if self.weights_format is not None:
+      quant.check_format(fn, "weights_format", self.weights_format)
     if self.compute_dtype is not None:
       put("compute_dtype", _checks.dtype_field(fn, "compute_dtype", self.compute_dtype))
     put("expert_axis", _checks.expert_axis_field(fn, self.expert_axis))
@@ -257,6 +265,13 @@ class MoEConfig:
           f"read it (got {getattr(self, name)!r})"
         )
     shapes = cls.param_shapes(self)
+    if self.weights_format is not None:
+      for f in dataclasses.fields(shapes):
+        leaf = getattr(shapes, f.name)
+        if not f.metadata.get("static") and leaf is not None and len(leaf.shape) == 3:
+          quant.check_blocks(
+            fn, f"weights_format {self.weights_format!r}: {f.name}", leaf.shape, self.weights_format
+          )
     if self.expert_tensor_axis is not None or self.expert_fsdp_axis is not None:
       split_dims(fn, shapes)  # raises for an FFN whose leaves do not name their dimensions
     if self.expert_tensor_axis is not None and split_dims(fn, shapes)[1] == "F":

@@ -44,10 +44,10 @@ import jax
 import jax.core
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from moe_shard import _checks
-from moe_shard.kernels.grouped_matmul import grouped_matmul
+from moe_shard.quant import expand, is_quantized
 from moe_shard.remat import MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP
 
 if TYPE_CHECKING:
@@ -58,99 +58,6 @@ SIZE_FIELDS = {"E": "num_experts", "D": "d_model", "F": "d_ff"}
 # What an FFN's `__call__` gets: `dense_matmul`, a `GroupedMatmul`, or (for FFNs without
 # biases) any `matmul(x_MD, w)`.
 Matmul = Callable[..., Array]
-
-# --------------------------------------------------------------------------- matmuls
-
-
-class DenseMatmul:
-  """One expert's matmul, for leaves without the expert axis (the masked scan).
-
-  `dense_matmul(x_MD, w_DF)` is `x @ w` accumulating in float32, f32[M, F];
-  `dense_matmul.add_bias(y_MF, b_F)` adds b to every row (the masked scan keeps only the
-  rows routed to the expert afterwards).
-  """
-
-  def __call__(self, x_MD: Float[Array, "M D"], w_DF: Float[Array, "D F"]) -> Float[Array, "M F"]:
-    return jnp.einsum(
-      "md,df->mf", x_MD, w_DF.astype(x_MD.dtype), preferred_element_type=jnp.float32
-    )
-
-  def add_bias(self, y_MF: Float[Array, "M F"], b_F: Float[Array, " F"]) -> Float[Array, "M F"]:
-    return (y_MF.astype(jnp.float32) + b_F.astype(jnp.float32)).astype(y_MF.dtype)
-
-
-dense_matmul = DenseMatmul()
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupedMatmul:
-  """The matmul of rows sorted by expert: `grouped_matmul` with its group sizes bound.
-
-  Attributes:
-    group_sizes_G: int[G] rows of each group (expert); rows past their sum are padding.
-    impl: `grouped_matmul`'s backend (default "auto").
-    out_dtype: dtype of the products (default None: the dtype of x); they accumulate in
-      float32.
-  """
-
-  group_sizes_G: Int[Array, " G"]
-  impl: str = "auto"
-  out_dtype: jnp.dtype | None = None
-
-  def __call__(
-    self, x_MD: Float[Array, "M D"], w_GDF: Float[Array, "G D F"]
-  ) -> Float[Array, "M F"]:
-    """`y[m] = x[m] @ w[group of m]`, zeros past `sum(group_sizes_G)`."""
-    return grouped_matmul(
-      x_MD, w_GDF, self.group_sizes_G, impl=self.impl, preferred_element_type=self.out_dtype
-    )
-
-  def add_bias(self, y_MF: Float[Array, "M F"], b_GF: Float[Array, "G F"]) -> Float[Array, "M F"]:
-    """`y[m] + b[group of m]`; rows past `sum(group_sizes_G)` stay as they are.
-
-    One gather of M bias rows (each row's group from a binary search of the group ends),
-    with a zero row for the padding: no [M, G] one-hot, no extra matmul.
-    """
-    M = y_MF.shape[0]
-    ends_G = jnp.cumsum(self.group_sizes_G)
-    group_M = jnp.searchsorted(ends_G, jnp.arange(M, dtype=ends_G.dtype), side="right")
-    b_MF = jnp.take(b_GF, group_M, axis=0, mode="fill", fill_value=0)
-    return (y_MF.astype(jnp.float32) + b_MF.astype(jnp.float32)).astype(y_MF.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class MaskedMatmul:
-  """The matmul of one local expert, its rows in any order: `x @ w[0]` on the rows where
-  `valid_M`, zeros elsewhere.
-
-  With one group a grouped matmul is a dense one. Masking the rows, instead of sorting the
-  padding past the group, leaves the FFN plain matmuls and elementwise ops, which XLA fuses
-  (the SwiGLU's elementwise into the matmuls), forward and backward. The padding rows of x
-  must be finite (the dispatches' are zeros): their products are computed, then masked.
-
-  Attributes:
-    valid_M: bool[M] the rows that hold an item; the others are padding.
-    out_dtype: dtype of the products (default None: the dtype of x); they accumulate in
-      float32.
-  """
-
-  valid_M: Array
-  out_dtype: jnp.dtype | None = None
-
-  def __call__(
-    self, x_MD: Float[Array, "M D"], w_GDF: Float[Array, "G D F"]
-  ) -> Float[Array, "M F"]:
-    """`y[m] = x[m] @ w[0]` where `valid_M[m]`, zeros elsewhere."""
-    if w_GDF.ndim != 3 or w_GDF.shape[0] != 1:
-      raise ValueError(f"MaskedMatmul: w_GDF must be [1, D, F] (got {tuple(w_GDF.shape)})")
-    out = x_MD.dtype if self.out_dtype is None else self.out_dtype
-    y_MF = jnp.dot(x_MD, w_GDF[0].astype(x_MD.dtype), preferred_element_type=out)
-    return jnp.where(self.valid_M[:, None], y_MF, jnp.zeros((), y_MF.dtype))
-
-  def add_bias(self, y_MF: Float[Array, "M F"], b_GF: Float[Array, "G F"]) -> Float[Array, "M F"]:
-    """`y[m] + b[0]` where `valid_M[m]`; padding rows stay as they are."""
-    b_MF = jnp.where(self.valid_M[:, None], b_GF[0].astype(jnp.float32), 0.0)
-    return (y_MF.astype(jnp.float32) + b_MF).astype(y_MF.dtype)
 
 
 def _affine(matmul, x_MD, w, b, name):
@@ -416,7 +323,7 @@ def split_dims(fn: str, ffn: Any) -> tuple[Any, str]:
 
   Returns:
     (letters, output): `letters` has the tree structure of `ffn`, a str per array leaf
-    ("EDF"); `output` is the letter of the FFN's output dimension, the last letter of its
+    ("EDF"; a `QuantizedArray`'s values and scales both get its matrix's letters); `output` is the letter of the FFN's output dimension, the last letter of its
     last matrix (rank-3) field ("D" for the gated FFNs, "F" for `Linear`).
 
   Raises:
@@ -445,7 +352,7 @@ def split_dims(fn: str, ffn: Any) -> tuple[Any, str]:
       f"fields named by their dimensions, such as SwiGLU (got {type(ffn).__name__})"
     )
   tree: Any = ffn  # a dataclass instance (checked above)
-  return dataclasses.replace(tree, **letters), matrices[-1][-1]
+  return expand(dataclasses.replace(tree, **letters), ffn), matrices[-1][-1]
 
 
 EXPERTS = {
@@ -502,9 +409,10 @@ def as_ffn(fn: str, w: Any) -> tuple[Any, int]:
       f"(got {type(w).__name__})"
     )
   sizes = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(w):
+  for path, leaf in jax.tree_util.tree_leaves_with_path(w, is_leaf=is_quantized):
     name = "w" + jax.tree_util.keystr(path)
-    leaf = _checks.float_array(fn, name, leaf)
+    if not is_quantized(leaf):  # a QuantizedArray holds integer or FP8 codes
+      leaf = _checks.float_array(fn, name, leaf)
     if leaf.ndim < 1:
       raise ValueError(f"{fn}: {name} must have the expert axis first (got a scalar)")
     sizes[name] = leaf.shape[0]

@@ -36,6 +36,7 @@ D*b for the token itself).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,6 +52,7 @@ from moe_shard.config import MoEConfig, check_config
 from moe_shard.dispatch import choose_impl, get_dispatch
 from moe_shard.experts import shared_experts
 from moe_shard.params import MoEParams, _check_params, check_split_axes, moe_param_specs
+from moe_shard.quant import expand, is_quantized
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
 from moe_shard.sharding import (
@@ -264,7 +266,8 @@ def moe_layer(
   if mesh is not None and explicit_mesh(x_TD)[1] and not explicit_mesh(params.router_DE)[1]:
     # Parameters not on the Explicit mesh yet: placed as `moe_param_specs` says (a router
     # gradient would otherwise contract the split token axis with an unplaced array).
-    params = jax.tree.map(lambda a, spec: place(a, mesh, spec), params, moe_param_specs(cfg))
+    specs = expand(moe_param_specs(dataclasses.replace(cfg, weights_format=None)), params)
+    params = jax.tree.map(lambda a, spec: place(a, mesh, spec), params, specs)
   T = x_TD.shape[0]
   num_routing_groups(cfg, T, mesh)  # raises on groups that do not divide T
   with jax.named_scope("route"):
@@ -295,7 +298,12 @@ def moe_layer(
       experts_TK
     )
   with jax.named_scope("dispatch"):
-    ffn = jax.tree.map(lambda a: a.astype(compute_dtype), params.experts)
+    # Quantized matrices stay as they are: the matmuls dequantize them to the compute dtype.
+    ffn = jax.tree.map(
+      lambda a: a if is_quantized(a) else a.astype(compute_dtype),
+      params.experts,
+      is_leaf=is_quantized,
+    )
     if cfg.weights_on == "output":
       y_TD, stats = dispatch.fn(
         x_TD.astype(compute_dtype), ffn, experts_TK, routing.weights_TK, mesh=mesh, cfg=cfg

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
-from moe_shard.experts import ExpertFFN, GroupedMatmul, as_ffn, dense_matmul
+from moe_shard.experts import ExpertFFN, as_ffn
+from moe_shard.matmuls import GroupedMatmul, dense_matmul
 
 
 def check_moe_inputs(fn, x_TD, w, experts, weights):

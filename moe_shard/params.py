@@ -23,6 +23,7 @@ from moe_shard import _checks
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.experts import ExpertFFN, SwiGLU
 from moe_shard.parallel.common import split_specs
+from moe_shard.quant import is_quantized, quantize_experts
 from moe_shard.sharding import is_concrete, resolve_mesh, split_axis_size, tracing
 
 
@@ -64,7 +65,8 @@ def moe_param_shapes(cfg: MoEConfig) -> MoEParams:
     cfg: `MoEConfig`.
 
   Returns:
-    `MoEParams` whose leaves are `ShapeDtypeStruct`s (no sharding).
+    `MoEParams` whose leaves are `ShapeDtypeStruct`s (no sharding); with
+    `cfg.weights_format`, each routed-expert matrix a `QuantizedArray` of them.
   """
   check_config("moe_param_shapes", cfg)
   D, E = cfg.d_model, cfg.num_experts
@@ -75,6 +77,9 @@ def moe_param_shapes(cfg: MoEConfig) -> MoEParams:
     return jax.ShapeDtypeStruct(shape, dt)
 
   experts = cfg.expert_class.param_shapes(cfg)
+  fmt = cfg.weights_format
+  if fmt is not None:
+    experts = jax.eval_shape(lambda e: quantize_experts(e, fmt), experts)
   shared = None
   if cfg.num_shared_experts:
     H, Fs = cfg.num_shared_experts, cfg.shared_hidden
@@ -213,6 +218,7 @@ def init_moe_params(
     num_shared_experts=cfg.num_shared_experts,
     shared_d_ff=cfg.shared_d_ff,
     param_dtype=cfg.param_dtype,
+    weights_format=cfg.weights_format,
     expert_axis=cfg.expert_axis,
     expert_tensor_axis=cfg.expert_tensor_axis,
     expert_fsdp_axis=cfg.expert_fsdp_axis,
@@ -226,7 +232,8 @@ def init_moe_params(
 @functools.lru_cache(maxsize=32)
 def _initializer(cfg, mesh):
   """The jitted init of one (config, mesh), built once: threefry is slow to compile on CPU."""
-  shapes = moe_param_shapes(cfg)
+  # The float parameters first (the same values whatever the format), then quantized.
+  shapes = moe_param_shapes(dataclasses.replace(cfg, weights_format=None))
   # The matrices share one split of the key; the optional vectors are drawn apart (zeros,
   # or the shared gate from its own key), so turning them on changes no other value.
   vectors = dict(router_bias=None, router_logit_bias=None, shared_gate_D=None)
@@ -259,6 +266,8 @@ def _initializer(cfg, mesh):
     if shapes.shared_gate_D is not None:  # a Linear(D, 1): variance 1 / D
       (D,) = shapes.shared_gate_D.shape
       gate_D = jax.random.normal(jax.random.fold_in(key, 1), (D,), jnp.float32) / math.sqrt(D)
+    if cfg.weights_format is not None:
+      params = quantize_experts(params, cfg.weights_format)
     return dataclasses.replace(
       params,
       router_bias=zeros(shapes.router_bias),
@@ -283,9 +292,11 @@ def _check_params(fn, params, cfg):
     raise TypeError(
       f"{fn}: params must be a MoEParams from init_moe_params (got {type(params).__name__})"
     )
-  shapes = moe_param_shapes(cfg)
-  want = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shapes)}
-  got = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(params)}
+  # Compared as matrices: a QuantizedArray (taken whole) stands where a float matrix may.
+  shapes = moe_param_shapes(dataclasses.replace(cfg, weights_format=None))
+  leaves = lambda t: jax.tree_util.tree_leaves_with_path(t, is_leaf=is_quantized)
+  want = {jax.tree_util.keystr(p): s for p, s in leaves(shapes)}
+  got = {jax.tree_util.keystr(p): a for p, a in leaves(params)}
   if want.keys() != got.keys():
     missing = [f"params{k}" for k in want if k not in got]
     extra = [f"params{k}" for k in got if k not in want]
@@ -302,7 +313,21 @@ def _check_params(fn, params, cfg):
       f"(expert_type={cfg.expert_type!r}) (got {type(params.experts).__name__})"
     )
   for k, s in want.items():
-    a = _checks.float_array(fn, f"params{k}", got[k])
+    a = got[k]
+    if is_quantized(a):
+      if cfg.weights_format not in (None, a.fmt):
+        raise ValueError(
+          f"{fn}: params{k} must be quantized as {cfg.weights_format!r} for this MoEConfig "
+          f"(got {a.fmt!r})"
+        )
+    else:
+      if cfg.weights_format is not None and len(s.shape) == 3 and k.startswith(".experts"):
+        raise ValueError(
+          f"{fn}: params{k} must be a QuantizedArray ({cfg.weights_format!r}) for this "
+          f"MoEConfig (got a {getattr(a, 'dtype', type(a).__name__)} array): quantize it "
+          f"with quantize_experts(params, {cfg.weights_format!r})"
+        )
+      a = _checks.float_array(fn, f"params{k}", a)
     if tuple(a.shape) != s.shape:
       raise ValueError(
         f"{fn}: params{k} must have shape {s.shape} for this MoEConfig (got {tuple(a.shape)})"

@@ -37,6 +37,7 @@ inside shard_map and under a differentiated `lax.scan` over layers: tests/test_g
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -47,24 +48,33 @@ from jaxtyping import Array, Float, Int
 from moe_shard import _checks
 from moe_shard.kernels.gpu import DTYPES as MOSAIC_GPU_DTYPES
 from moe_shard.kernels.gpu import mosaic_gpu_gmm
-from moe_shard.kernels.tiled import default_tiles, gmm_tiled, tile_sizes
+from moe_shard.kernels.tiled import default_tiles, gmm_tiled, gmm_tiled_frozen, tile_sizes
+from moe_shard.kernels.tokamax import tokamax_gmm
 from moe_shard.kernels.tpu import DTYPES as MEGABLOX_DTYPES
 from moe_shard.kernels.tpu import megablox_gmm
+from moe_shard.quant import is_quantized, stop_gradient
 from moe_shard.sharding import match_vma
 
 
 def tiled(x_MD, w_GDF, group_sizes_G, *, out_dtype, max_tile=None, min_tile=None):
-  """The "tiled" backend (`gmm_tiled`); tile sizes default to `default_tiles(M, G)`."""
+  """The "tiled" backend (`gmm_tiled`); tile sizes default to `default_tiles(M, G)`. A
+  quantized w (`gmm_tiled_frozen`) is dequantized one group at a time in the group loop."""
   M, G = x_MD.shape[0], w_GDF.shape[0]
   tiles = tile_sizes(M, *_tiles_or_default(M, G, max_tile, min_tile))
+  gmm = gmm_tiled_frozen if is_quantized(w_GDF) else gmm_tiled
   # JAX types a custom_vjp made with functools.partial as returning object.
-  y_MF = gmm_tiled(x_MD, w_GDF, group_sizes_G, tiles)
+  y_MF = gmm(x_MD, w_GDF, group_sizes_G, tiles)
   return y_MF.astype(out_dtype)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def ragged_dot(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   """The "ragged_dot" backend: `lax.ragged_dot`, accumulating in float32 and writing
-  `out_dtype` directly (its backward then writes dx and dw in the inputs' dtype too)."""
+  `out_dtype` directly (its backward then writes dx and dw in the inputs' dtype too).
+
+  A quantized w is dequantized whole first: correct, but it saves no memory (the float copy
+  of every group's matrix exists while the product runs).
+  """
+  w_GDF = _dequantized(w_GDF, x_MD.dtype)
   return jax.lax.ragged_dot(x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype)
 
 
@@ -76,6 +86,8 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   its gradient is no denser than it must be, and it accesses fewer HBM bytes than megablox,
   which re-reads w for every row tile (compiled for v5e: bench/results/gmm_tpu_v5e.md).
   """
+  if is_quantized(w_GDF):
+    return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
   if x_MD.dtype not in MEGABLOX_DTYPES or w_GDF.shape[0] == 1:
     return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
 
@@ -94,7 +106,13 @@ def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   """
   if x_MD.dtype not in MOSAIC_GPU_DTYPES:
     return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
+  w_GDF = _dequantized(w_GDF, x_MD.dtype)
   return mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype)
+
+
+def _dequantized(w_GDF, dtype):
+  """w as a float array: a `QuantizedArray` dequantized whole (frozen), floats as they are."""
+  return jax.lax.stop_gradient(w_GDF.dequantize(dtype)) if is_quantized(w_GDF) else w_GDF
 
 
 BACKENDS: dict[str, Callable[..., Array]] = {
@@ -102,6 +120,7 @@ BACKENDS: dict[str, Callable[..., Array]] = {
   "mosaic_gpu": mosaic_gpu,
   "ragged_dot": ragged_dot,
   "tiled": tiled,
+  "tokamax": tokamax_gmm,  # tokamax.ragged_dot; needs `pip install tokamax`
 }
 # TPU takes megablox (one group: lax.ragged_dot). `platform_dependent` traces its branch on
 # every host; megablox's group metadata would fail shard_map's varying-axes check when JAX
@@ -110,6 +129,15 @@ BACKENDS: dict[str, Callable[..., Array]] = {
 # shard_map with the check on, under such a scan, pass gmm_impl="ragged_dot".
 # CUDA takes "mosaic_gpu": its kernels trace on any host (off a GPU its dw traces as
 # lax.ragged_dot_general, see kernels/gpu.py), in shard_map and in scan-over-layers training.
+# How each backend takes a quantized w (`quant.QuantizedArray`); a backend not listed raises.
+# "blocks": a block or group at a time, no float copy of the whole w; "whole": dequantized
+# whole first, correct but saving no memory.
+QUANTIZED_WEIGHTS = {
+  "megablox": "blocks",
+  "mosaic_gpu": "whole",
+  "ragged_dot": "whole",
+  "tiled": "blocks",
+}
 PLATFORM_BACKENDS = {"tpu": "megablox", "cuda": "mosaic_gpu"}
 DEFAULT_BACKEND = "tiled"
 GMM_CHOICES = ("auto", *BACKENDS)
@@ -150,7 +178,11 @@ def grouped_matmul(
   """
   fn = "grouped_matmul"
   x_MD = _checks.float_array(fn, "x_MD", x_MD, ndim=2)
-  w_GDF = _checks.float_array(fn, "w_GDF", w_GDF, ndim=3)
+  quantized = is_quantized(w_GDF)
+  if quantized:
+    _check_quantized(fn, w_GDF, impl)
+  else:
+    w_GDF = _checks.float_array(fn, "w_GDF", w_GDF, ndim=3)
   group_sizes_G = _checks.int_array(fn, "group_sizes_G", group_sizes_G)
   _checks.choice_field(fn, "impl", impl, GMM_CHOICES)
   if x_MD.shape[1] != w_GDF.shape[1]:
@@ -163,9 +195,13 @@ def grouped_matmul(
   # Checked here, at trace time, for every backend (a platform branch is traced lazily).
   tile_sizes(x_MD.shape[0], *_tiles_or_default(x_MD.shape[0], w_GDF.shape[0], max_tile, min_tile))
   out_dtype = jnp.dtype(x_MD.dtype if preferred_element_type is None else preferred_element_type)
-  w_GDF = w_GDF.astype(x_MD.dtype)
   group_sizes_G = group_sizes_G.astype(jnp.int32)
-  x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF, group_sizes_G)
+  if quantized:
+    w = stop_gradient(w_GDF)
+    x_MD, values, scales, group_sizes_G = match_vma(x_MD, w.values, w.scales, group_sizes_G)
+    w_GDF = dataclasses.replace(w, values=values, scales=scales)
+  else:
+    x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
 
   def backend(name):
     return lambda x, w, gs: BACKENDS[name](
@@ -183,6 +219,19 @@ def grouped_matmul(
       **{platform: backend(name) for platform, name in PLATFORM_BACKENDS.items()},
     )
   return y
+
+
+def _check_quantized(fn, w_GDF, impl):
+  """Raises unless a quantized w is [G, D, F] and every backend `impl` may run takes it."""
+  if len(w_GDF.shape) != 3:
+    raise ValueError(f"{fn}: w_GDF must be 3-D (got shape {tuple(w_GDF.shape)})")
+  names = (DEFAULT_BACKEND, *PLATFORM_BACKENDS.values()) if impl == "auto" else (impl,)
+  for name in names:
+    if name in BACKENDS and name not in QUANTIZED_WEIGHTS:
+      raise ValueError(
+        f"{fn}: w_GDF is a QuantizedArray ({w_GDF.fmt!r}), which impl {name!r} cannot take; "
+        f"use one of {tuple(QUANTIZED_WEIGHTS)}"
+      )
 
 
 def _tiles_or_default(M, G, max_tile, min_tile):

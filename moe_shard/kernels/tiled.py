@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_shard.quant import is_quantized, zero_cotangent
 from moe_shard.sharding import fori_while, zeros_varying
 
 DEFAULT_MAX_TILE = 256
@@ -247,15 +248,26 @@ def _write_rows(a_QK, new_tK, row0, mask_t1):
   return jax.lax.dynamic_update_slice_in_dim(a_QK, new_tK, row0, axis=0)
 
 
+def _group_matrix(w_GDF, g, dtype):
+  """w[g] as a dense [D, F] matrix: a `QuantizedArray`'s group dequantized (one group's
+  float copy at a time, never the whole tensor's)."""
+  return w_GDF[g].dequantize(dtype) if is_quantized(w_GDF) else w_GDF[g]
+
+
+def _ref(w_GDF):
+  """An array of w for `_own_zeros` and the varying axes (a quantized w's values)."""
+  return w_GDF.values if is_quantized(w_GDF) else w_GDF
+
+
 def _gmm_fwd_loop(x_MD, w_GDF, sched):
   """y_MF: f32[M, F], y[rows of g] = x[rows of g] @ w[g], other rows 0."""
   M = x_MD.shape[0]
   Q = _padded_rows(M, sched.tiles)
   x_QD = _pad_rows(x_MD, Q)
-  y_QF = _own_zeros((Q, w_GDF.shape[2]), w_GDF, x_MD)
+  y_QF = _own_zeros((Q, w_GDF.shape[2]), _ref(w_GDF), x_MD)
 
   def group(g, y_QF):
-    w_DF = w_GDF[g]
+    w_DF = _group_matrix(w_GDF, g, x_MD.dtype)
 
     def tile(t, row0, mask_t1, y_QF):
       x_tD = jax.lax.dynamic_slice_in_dim(x_QD, row0, t)
@@ -317,3 +329,45 @@ def _gmm_tiled_bwd(tiles, res, dy_MF):
 
 
 gmm_tiled.defvjp(_gmm_tiled_fwd, _gmm_tiled_bwd)
+
+
+def _dx_loop(x_MD, w_GDF, dy_MF, sched):
+  """dx_MD: f32[M, D] of y = gmm(x, w) for the cotangent dy_MF (w frozen: no dw)."""
+  M, D = x_MD.shape
+  Q = _padded_rows(M, sched.tiles)
+  dy_QF = _pad_rows(dy_MF, Q)
+  dx_QD = _own_zeros((Q, D), _ref(w_GDF), x_MD, dy_MF)
+
+  def group(g, dx_QD):
+    w_DF = _group_matrix(w_GDF, g, x_MD.dtype)
+
+    def tile(t, row0, mask_t1, dx_QD):
+      dy_tF = _read_rows(dy_QF, row0, t, mask_t1)
+      new_tD = jnp.einsum("tf,df->td", dy_tF, w_DF, preferred_element_type=jnp.float32)
+      return _write_rows(dx_QD, new_tD, row0, mask_t1)
+
+    return _for_each_tile(sched, g, Q, tile, dx_QD)
+
+  return _for_each_group(sched, group, dx_QD)[:M]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gmm_tiled_frozen(x_MD, w_GDF, group_sizes_G, tiles):
+  """`gmm_tiled` for a frozen w (a `QuantizedArray`): the same forward, each group's matrix
+  dequantized once in the group loop; the backward computes dx only, w's cotangent is zero."""
+  sched = tile_schedule(group_sizes_G, x_MD.shape[0], tiles)
+  return _gmm_fwd_loop(x_MD, w_GDF, sched)
+
+
+def _gmm_frozen_fwd(x_MD, w_GDF, group_sizes_G, tiles):
+  return gmm_tiled_frozen(x_MD, w_GDF, group_sizes_G, tiles), (x_MD, w_GDF, group_sizes_G)
+
+
+def _gmm_frozen_bwd(tiles, res, dy_MF):
+  x_MD, w_GDF, group_sizes_G = res
+  sched = tile_schedule(group_sizes_G, x_MD.shape[0], tiles)
+  dx_MD = _dx_loop(x_MD, w_GDF, dy_MF.astype(x_MD.dtype), sched)
+  return dx_MD.astype(x_MD.dtype), zero_cotangent(w_GDF), None
+
+
+gmm_tiled_frozen.defvjp(_gmm_frozen_fwd, _gmm_frozen_bwd)

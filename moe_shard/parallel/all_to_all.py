@@ -23,6 +23,7 @@ from moe_shard.parallel.common import (
   output_once,
   run_on_mesh,
 )
+from moe_shard.quant import merge, split_frozen, zero_cotangent
 from moe_shard.sharding import EXPERT, axis_size, fori_while, resolve_mesh, vary_over
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"
@@ -303,8 +304,13 @@ def _add_overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds, y_TF):
 
 def _rounds_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
   slots_NC = plan_lib.round_slots(plan, 0, cfg.chunks.first)
+  # Differentiated in the trainable leaves only: quantized matrices are frozen.
+  trainable, frozen, tree = split_frozen(ffn_L)
   y_TF, vjp0 = jax.vjp(
-    lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I), x_TD, ffn_L, weights_TK
+    lambda x, t, w: _round(cfg, x, merge(tree, t, frozen), w, slots_NC, local_I),
+    x_TD,
+    trainable,
+    weights_TK,
   )
   y_TF = _add_overflow(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds, y_TF)
   return y_TF, (vjp0, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
@@ -312,14 +318,19 @@ def _rounds_fwd(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds):
 
 def _rounds_bwd(cfg, res, dy_TF):
   vjp0, x_TD, ffn_L, weights_TK, plan, local_I, rounds = res
+  trainable, frozen, tree = split_frozen(ffn_L)
 
   def add(acc, slots_NC):
     _, vjp = jax.vjp(
-      lambda x, f, w: _round(cfg, x, f, w, slots_NC, local_I), x_TD, ffn_L, weights_TK
+      lambda x, t, w: _round(cfg, x, merge(tree, t, frozen), w, slots_NC, local_I),
+      x_TD,
+      trainable,
+      weights_TK,
     )
     return jax.tree.map(jnp.add, acc, vjp(dy_TF))
 
-  dx, dffn, dw = _loop_overflow(cfg, plan, rounds, add, vjp0(dy_TF))
+  dx, dtrainable, dw = _loop_overflow(cfg, plan, rounds, add, vjp0(dy_TF))
+  dffn = merge(tree, dtrainable, zero_cotangent(frozen))
   return dx, dffn, dw, None, None, None
 
 

@@ -11,7 +11,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from moe_shard import _checks, local
-from moe_shard.experts import GroupedMatmul, MaskedMatmul, split_dims
+from moe_shard.experts import split_dims
+from moe_shard.matmuls import GroupedMatmul, MaskedMatmul
+from moe_shard.quant import expand, is_quantized
 from moe_shard.remat import MOE_DISPATCH_RECV
 from moe_shard.sharding import (
   axis_size,
@@ -91,7 +93,13 @@ def split_specs(ffn, first, tensor_axis, fsdp_axis):
       dims[-1] = fsdp_axis if dims[-1] is None else (dims[-1], fsdp_axis)
     return P(first, *dims)
 
-  return jax.tree.map(spec, letters)
+  # One spec per matrix; a quantized matrix's values and scales split like it (`expand`).
+  return expand(jax.tree.map(spec, _one_per_matrix(letters)), ffn)
+
+
+def _one_per_matrix(letters):
+  """`letters` with a quantized matrix's letters once, in place of its values and scales."""
+  return jax.tree.map(lambda a: a.values if is_quantized(a) else a, letters, is_leaf=is_quantized)
 
 
 def check_split(fn, mesh, ffn, tensor_axis, fsdp_axis):

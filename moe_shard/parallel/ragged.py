@@ -14,7 +14,8 @@ from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks, local
 from moe_shard import plan as plan_lib
-from moe_shard.experts import ExpertFFN, GroupedMatmul, MaskedMatmul
+from moe_shard.experts import ExpertFFN
+from moe_shard.matmuls import GroupedMatmul, MaskedMatmul
 from moe_shard.parallel.common import (
   _prepare,
   gather_weights,
@@ -24,6 +25,7 @@ from moe_shard.parallel.common import (
   run_on_mesh,
 )
 from moe_shard.parallel.ragged_exchange import ragged_exchange
+from moe_shard.quant import merge, split_frozen, zero_cotangent
 from moe_shard.sharding import EXPERT, fori_while, resolve_mesh, vary_over, zeros_varying
 
 # --------------------------------------------------------------------------- ragged_all_to_all
@@ -360,19 +362,28 @@ def _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF):
 
 
 def _ragged_rounds_fwd(cfg, x_ID, ffn_L, q, rounds):
-  y_IF, vjp0 = jax.vjp(lambda x, f: _ragged_round(cfg, x, f, q, 0, cfg.rows.first), x_ID, ffn_L)
+  # Differentiated in the trainable leaves only: quantized matrices are frozen.
+  trainable, frozen, tree = split_frozen(ffn_L)
+  y_IF, vjp0 = jax.vjp(
+    lambda x, t: _ragged_round(cfg, x, merge(tree, t, frozen), q, 0, cfg.rows.first),
+    x_ID,
+    trainable,
+  )
   return _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF), (vjp0, x_ID, ffn_L, q, rounds)
 
 
 def _ragged_rounds_bwd(cfg, res, dy_IF):
   vjp0, x_ID, ffn_L, q, rounds = res
+  trainable, frozen, tree = split_frozen(ffn_L)
 
   def add(r, acc):
-    _, vjp = jax.vjp(lambda x, f: _later_round(cfg, x, f, q, r), x_ID, ffn_L)
+    _, vjp = jax.vjp(
+      lambda x, t: _later_round(cfg, x, merge(tree, t, frozen), q, r), x_ID, trainable
+    )
     return jax.tree.map(jnp.add, acc, vjp(dy_IF))
 
-  dx, dffn = _overflow_loop(rounds, add, vjp0(dy_IF))
-  return dx, dffn, None, None
+  dx, dtrainable = _overflow_loop(rounds, add, vjp0(dy_IF))
+  return dx, merge(tree, dtrainable, zero_cotangent(frozen)), None, None
 
 
 _ragged_rounds.defvjp(_ragged_rounds_fwd, _ragged_rounds_bwd)

@@ -1,0 +1,120 @@
+"""The matmuls a dispatch hands an expert FFN: `matmul(x_MD, w)` and `matmul.add_bias(y, b)`.
+
+An FFN (`experts.py`) never indexes experts itself; the dispatch decides how its matrices
+meet the rows:
+
+  * `dense_matmul`: one expert's leaves, without the expert axis (the masked scan);
+  * `GroupedMatmul`: rows sorted by expert, the leaves `[G, ...]` (every sorting dispatch);
+  * `MaskedMatmul`: one local expert, its rows in any order, padding rows masked.
+
+Each takes a float matrix or a `QuantizedArray` (`quant.py`) where it takes `w`. A quantized
+matrix is frozen (its gradient is stopped) and is dequantized a piece at a time: per group
+inside the grouped matmul's backends (`kernels/grouped_matmul.py`), one expert's matrix for
+`dense_matmul`, and for `MaskedMatmul` as the operand of the dot, which XLA fuses into it.
+Products accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from moe_shard import quant
+from moe_shard.kernels.grouped_matmul import grouped_matmul
+
+
+def as_operand(w: Any, dtype: Any) -> Array:
+  """`w` as a dot operand in `dtype`: a float matrix cast, a `QuantizedArray` dequantized
+  (its gradient stopped: quantized matrices are frozen)."""
+  if quant.is_quantized(w):
+    return quant.stop_gradient(w).dequantize(dtype)
+  return w.astype(dtype)
+
+
+class DenseMatmul:
+  """One expert's matmul, for leaves without the expert axis (the masked scan).
+
+  `dense_matmul(x_MD, w_DF)` is `x @ w` accumulating in float32, f32[M, F];
+  `dense_matmul.add_bias(y_MF, b_F)` adds b to every row (the masked scan keeps only the
+  rows routed to the expert afterwards).
+  """
+
+  def __call__(self, x_MD: Float[Array, "M D"], w_DF: Any) -> Float[Array, "M F"]:
+    w_DF = as_operand(w_DF, x_MD.dtype)
+    return jnp.einsum("md,df->mf", x_MD, w_DF, preferred_element_type=jnp.float32)
+
+  def add_bias(self, y_MF: Float[Array, "M F"], b_F: Float[Array, " F"]) -> Float[Array, "M F"]:
+    return (y_MF.astype(jnp.float32) + b_F.astype(jnp.float32)).astype(y_MF.dtype)
+
+
+dense_matmul = DenseMatmul()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmul:
+  """The matmul of rows sorted by expert: `grouped_matmul` with its group sizes bound.
+
+  Attributes:
+    group_sizes_G: int[G] rows of each group (expert); rows past their sum are padding.
+    impl: `grouped_matmul`'s backend (default "auto").
+    out_dtype: dtype of the products (default None: the dtype of x); they accumulate in
+      float32.
+  """
+
+  group_sizes_G: Int[Array, " G"]
+  impl: str = "auto"
+  out_dtype: jnp.dtype | None = None
+
+  def __call__(self, x_MD: Float[Array, "M D"], w_GDF: Any) -> Float[Array, "M F"]:
+    """`y[m] = x[m] @ w[group of m]`, zeros past `sum(group_sizes_G)`."""
+    return grouped_matmul(
+      x_MD, w_GDF, self.group_sizes_G, impl=self.impl, preferred_element_type=self.out_dtype
+    )
+
+  def add_bias(self, y_MF: Float[Array, "M F"], b_GF: Float[Array, "G F"]) -> Float[Array, "M F"]:
+    """`y[m] + b[group of m]`; rows past `sum(group_sizes_G)` stay as they are.
+
+    One gather of M bias rows (each row's group from a binary search of the group ends),
+    with a zero row for the padding: no [M, G] one-hot, no extra matmul.
+    """
+    M = y_MF.shape[0]
+    ends_G = jnp.cumsum(self.group_sizes_G)
+    group_M = jnp.searchsorted(ends_G, jnp.arange(M, dtype=ends_G.dtype), side="right")
+    b_MF = jnp.take(b_GF, group_M, axis=0, mode="fill", fill_value=0)
+    return (y_MF.astype(jnp.float32) + b_MF.astype(jnp.float32)).astype(y_MF.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedMatmul:
+  """The matmul of one local expert, its rows in any order: `x @ w[0]` on the rows where
+  `valid_M`, zeros elsewhere.
+
+  With one group a grouped matmul is a dense one. Masking the rows, instead of sorting the
+  padding past the group, leaves the FFN plain matmuls and elementwise ops, which XLA fuses
+  (the SwiGLU's elementwise into the matmuls), forward and backward. The padding rows of x
+  must be finite (the dispatches' are zeros): their products are computed, then masked.
+
+  Attributes:
+    valid_M: bool[M] the rows that hold an item; the others are padding.
+    out_dtype: dtype of the products (default None: the dtype of x); they accumulate in
+      float32.
+  """
+
+  valid_M: Array
+  out_dtype: jnp.dtype | None = None
+
+  def __call__(self, x_MD: Float[Array, "M D"], w_GDF: Any) -> Float[Array, "M F"]:
+    """`y[m] = x[m] @ w[0]` where `valid_M[m]`, zeros elsewhere."""
+    if len(w_GDF.shape) != 3 or w_GDF.shape[0] != 1:
+      raise ValueError(f"MaskedMatmul: w_GDF must be [1, D, F] (got {tuple(w_GDF.shape)})")
+    out = x_MD.dtype if self.out_dtype is None else self.out_dtype
+    y_MF = jnp.dot(x_MD, as_operand(w_GDF[0], x_MD.dtype), preferred_element_type=out)
+    return jnp.where(self.valid_M[:, None], y_MF, jnp.zeros((), y_MF.dtype))
+
+  def add_bias(self, y_MF: Float[Array, "M F"], b_GF: Float[Array, "G F"]) -> Float[Array, "M F"]:
+    """`y[m] + b[0]` where `valid_M[m]`; padding rows stay as they are."""
+    b_MF = jnp.where(self.valid_M[:, None], b_GF[0].astype(jnp.float32), 0.0)
+    return (y_MF.astype(jnp.float32) + b_MF).astype(y_MF.dtype)
