@@ -317,7 +317,8 @@ def _dispatch_programs(case, impl):
   dispatch = BENCH_IMPLS[impl].resolve(case.size)
   cfg = dataclasses.replace(case.cfg, impl=dispatch)
   if case.level == "kernel":
-    fn = ms.DISPATCHES[dispatch].fn if isinstance(dispatch, str) else dispatch
+    # "auto" as the layer resolves it on this mesh (`ms.choose_impl`); other names as given.
+    fn = ms.DISPATCHES[ms.choose_impl(cfg, mesh)].fn if isinstance(dispatch, str) else dispatch
 
     def kernel(x, w, e, g):
       return fn(x, ms.Linear(w_EDF=w), e, g, mesh=mesh, cfg=cfg)[0]
