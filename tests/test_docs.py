@@ -236,3 +236,54 @@ def test_benchmarks_page_is_generated():
   assert (DOCS / "benchmarks.md").read_text() == docs_page.page(), (
     "docs/benchmarks.md is out of date: run `python -m bench.docs_page`"
   )
+
+
+def _run(load, times_s, settings=None, temp_bytes=100):
+  """A layer results file: all_to_all, two jit-only rows and the dense limit, per mode, with
+  median seconds `times_s[mode][impl]`."""
+  rows = []
+  for mode, times in times_s.items():
+    for impl, median in times.items():
+      rows.append(
+        dict(
+          level="layer", T=64, E=8, routing="uniform", mode=mode, impl=impl,
+          time_s=dict(median=median, min=median * 0.9, max=median * 1.2),
+          efficiency=times["dense_limit"] / median,
+          executed_flops=10, wire_bytes=20, temp_bytes=temp_bytes, rounds=1, dropped=0,
+        )
+      )  # fmt: skip
+  machine = dict(cpu="CPU", cores=2, load_average_1min=load)
+  return dict(machine=machine, settings=settings or dict(tokens=[64]), rows=rows)
+
+
+def test_run_to_run_tabulates_every_run_and_the_ranges():
+  from bench import docs_page
+
+  def times(a2a, gshard, scan, dense):
+    return dict(all_to_all=a2a, jit_gshard_einsum=gshard, jit_masked_scan=scan, dense_limit=dense)
+
+  a = _run(0.5, dict(fwd=times(1.0, 2.5, 4.0, 0.8), fwd_bwd=times(2.0, 4.4, 3.0, 1.9)))
+  b = _run(3.0, dict(fwd=times(2.0, 4.2, 8.0, 1.2), fwd_bwd=times(4.0, 8.0, 9.0, 3.2)))
+  text = docs_page.run_to_run([("one", a), ("two", b)])
+  # fwd: efficiency 0.8/1.0 and 1.2/2.0, speed-up 2.5/1.0 and 4.2/2.0; fwd_bwd: the
+  # fastest jit-only row is the masked scan in run one (3.0 s), the einsum in run two.
+  for line in (
+    "| one | CPU, 2 cores | 0.5 | fwd | 1000 (900-1200) | 0.80 | jit_gshard_einsum 2500 | 2.5x |",
+    "| two | CPU, 2 cores | 3.0 | fwd_bwd | 4000 (3600-4800) | 0.80 | jit_gshard_einsum 8000 "
+    "| 2.0x |",
+    "| one | CPU, 2 cores | 0.5 | fwd_bwd | 2000 (1800-2400) | 0.95 | jit_masked_scan 3000 "
+    "| 1.5x |",
+    "fwd: efficiency 0.60-0.80, speed-up over the fastest jit-only version 2.1-2.5x;",
+    "fwd_bwd: efficiency 0.80-0.95, speed-up over the fastest jit-only version 1.5-2.0x.",
+  ):
+    assert line in text, line
+  assert text.endswith("are the same in every run.")
+  c = _run(
+    1.0, dict(fwd=times(1.0, 2.5, 4.0, 0.8), fwd_bwd=times(2.0, 4.4, 3.0, 1.9)), temp_bytes=7
+  )
+  text = docs_page.run_to_run([("one", a), ("three", c)])
+  want = "differ between the runs, as only another tree or JAX version makes them: all_to_all"
+  assert want + " fwd temp_bytes, all_to_all fwd_bwd temp_bytes, dense_limit fwd" in text, text
+  d = _run(1.0, dict(fwd=times(1.0, 2.5, 4.0, 0.8)), settings=dict(tokens=[128]))
+  with pytest.raises(ValueError, match=r"run_to_run: runs must share their settings; four has"):
+    docs_page.run_to_run([("one", a), ("four", d)])
