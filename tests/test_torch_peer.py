@@ -26,6 +26,9 @@ try:
 except ImportError:
   torch = None
 
+# On the GPU machine the peer's arithmetic runs where the benchmark runs it, on the GPU.
+DEVICE = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+
 needs_torch = pytest.mark.skipif(
   torch is None, reason="PyTorch is not installed: the PyTorch peers are optional"
 )
@@ -75,14 +78,15 @@ def test_torchtitan_layer_matches_the_oracle(dtype):
     np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
     for a in (ffn.gate_EDF, ffn.up_EDF, ffn.down_EFD)
   ]
-  leaves = [torch.tensor(a).to(tdt).requires_grad_() for a in mats]
-  x = torch.tensor(x_TD).to(tdt)
-  router = torch.tensor(np.asarray(params.router_DE, np.float32))
+  leaves = [torch.tensor(a).to(DEVICE, tdt).requires_grad_() for a in mats]
+  x = torch.tensor(x_TD).to(DEVICE, tdt)
+  router = torch.tensor(np.asarray(params.router_DE, np.float32)).to(DEVICE)
   y = torch_peer.moe_layer(torch, x, router, *leaves, top_k=cfg.top_k, normalize=True)
   ct = np.random.default_rng(1).normal(size=y.shape).astype(np.float32)
-  grads = torch.autograd.grad(y, leaves, torch.tensor(ct).to(tdt))
+  grads = torch.autograd.grad(y, leaves, torch.tensor(ct).to(DEVICE, tdt))
 
-  routing = ms.top_k_routing(jnp.asarray(x_TD) @ params.router_DE, cfg.top_k)
+  logits = np.asarray(x_TD, np.float64) @ np.asarray(params.router_DE, np.float64)  # not TF32
+  routing = ms.top_k_routing(jnp.asarray(logits, jnp.float32), cfg.top_k)
   ffn64 = ms.SwiGLU(gate_EDF=mats[0], up_EDF=mats[1], down_EFD=mats[2])
   want_y = oracle.moe(x_TD, ffn64, routing.experts_TK, routing.weights_TK)
   _, want_dw, _ = oracle.moe_grads(x_TD, ffn64, routing.experts_TK, routing.weights_TK, ct)
@@ -109,12 +113,14 @@ def test_groups_are_padded_to_aligned_starts():
   torch._grouped_mm = spy
   try:
     ffn = params.experts
-    mats = [torch.tensor(np.asarray(a)) for a in (ffn.gate_EDF, ffn.up_EDF, ffn.down_EFD)]
-    torch_peer.moe_layer(
-      torch, torch.tensor(np.abs(x_TD)), torch.tensor(router), *mats, top_k=2, normalize=True
-    )
+    mats = [
+      torch.tensor(np.asarray(a)).to(DEVICE, torch.bfloat16)
+      for a in (ffn.gate_EDF, ffn.up_EDF, ffn.down_EFD)
+    ]
+    x = torch.tensor(np.abs(x_TD)).to(DEVICE, torch.bfloat16)
+    torch_peer.moe_layer(torch, x, torch.tensor(router).to(DEVICE), *mats, top_k=2, normalize=True)
   finally:
     torch._grouped_mm = real
   assert len(seen) == 3
-  offs = seen[0].numpy()
+  offs = seen[0].cpu().numpy()
   assert np.all(offs % torch_peer.ALIGN_ROWS == 0) and offs[-1] >= 37 * 2
