@@ -1,12 +1,15 @@
 """Every notebook in notebooks/ runs top to bottom, and is committed with its outputs.
 
-Each notebook executes in a fresh kernel (`notebooks/execute.py`: working directory
-notebooks/, 8 simulated CPU devices, this interpreter) on an in-memory copy: the committed
-files are never rewritten. Refresh their outputs with `python notebooks/execute.py [names]`.
+Each notebook executes in a fresh kernel started as a user's is (`notebooks/execute.py`:
+working directory notebooks/, this interpreter, no PYTHONPATH and none of the XLA and JAX
+settings conftest makes) on an in-memory copy: the committed files are never rewritten.
+Refresh their outputs with `python notebooks/execute.py [names]`.
 """
 
 import importlib.util
+import os
 import pathlib
+import sys
 
 import nbformat
 import pytest
@@ -28,6 +31,16 @@ def _execute_module():
 def _code_cells(nb):
   """The code cells a kernel runs (nbclient skips empty ones)."""
   return [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+
+
+def test_kernel_env_is_a_users(monkeypatch):
+  # conftest sets XLA_FLAGS and JAX_PLATFORMS, and a developer may have the clone on
+  # PYTHONPATH; Jupyter, opened as the README says, gives the kernel none of them.
+  monkeypatch.setenv("PYTHONPATH", str(NOTEBOOKS.parent))
+  env = _execute_module().kernel_env()
+  for name in ("PYTHONPATH", "XLA_FLAGS", "JAX_PLATFORMS"):
+    assert name in os.environ and name not in env, name
+  assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
 
 
 def test_notebooks_exist():
