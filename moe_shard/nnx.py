@@ -10,7 +10,9 @@ A thin module over `init_moe_params` and `moe_layer`: the parameters are the lea
 trained) carrying its `PartitionSpec` as Flax's `out_sharding` metadata (`moe_param_specs`,
 one entry per dimension), so `nnx.get_partition_spec`, `nnx.vmap`/`nnx.scan` with
 `transform_metadata={nnx.PARTITION_NAME: ...}` and checkpointing with shardings see what
-the arrays are. State paths mirror `MoEParams`: `router_DE`, `experts.gate_EDF`,
+the arrays are. A quantized expert matrix (`MoEConfig(weights_format=...)`,
+`quantize_experts`) holds its values and scales as `Quantized` variables: frozen, outside
+`nnx.Param`. State paths mirror `MoEParams`: `router_DE`, `experts.gate_EDF`,
 `experts.up_EDF`, `experts.down_EFD` (or `experts.w_EDF`), `shared.*` with shared experts,
 and `router_bias`, `router_logit_bias`, `shared_gate_D` when the config has them. `cfg` and
 `mesh` are static attributes.
@@ -31,15 +33,22 @@ from jaxtyping import Array, Float
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.layer import moe_layer
 from moe_shard.params import MoEParams, _check_params, init_moe_params, moe_param_specs
+from moe_shard.quant import expand, is_quantized
 from moe_shard.sharding import resolve_mesh
 
-__all__ = ["MoE", "RouterBias"]
+__all__ = ["MoE", "Quantized", "RouterBias"]
 
 
 class RouterBias(nnx.Variable):
   """The selection bias of aux-loss-free balancing (`MoEParams.router_bias`): state, not an
   `nnx.Param`. It gets no gradient and `balance.update_router_bias` moves it, so an
   `nnx.Optimizer(..., wrt=nnx.Param)` leaves it alone (no weight decay on it)."""
+
+
+class Quantized(nnx.Variable):
+  """The values or scales of a quantized expert matrix (`quant.QuantizedArray`): frozen
+  state, not an `nnx.Param`, so `nnx.grad` and `nnx.Optimizer(..., wrt=nnx.Param)` leave it
+  alone while the router, the biases and the shared experts train (adapter-style)."""
 
 
 # The kind of `nnx.Variable` of each `MoEParams` field; every other field is an `nnx.Param`.
@@ -112,12 +121,21 @@ class MoE(nnx.Module):
     return module
 
   def _set_params(self, params):
-    specs = moe_param_specs(self.cfg)
+    # Specs of the matrices, given to a quantized matrix's values and scales alike.
+    specs = expand(moe_param_specs(dataclasses.replace(self.cfg, weights_format=None)), params)
+    quantized = functools.partial(_variable, Quantized)
     for field in dataclasses.fields(MoEParams):  # one attribute per field, None when off
       make = functools.partial(_variable, _VARIABLE_KINDS.get(field.name, nnx.Param))
+
+      def one(a, spec, make=make):
+        if not is_quantized(a):
+          return make(a, spec)
+        values, scales = quantized(a.values, spec.values), quantized(a.scales, spec.scales)
+        return dataclasses.replace(a, values=values, scales=scales)
+
       value = getattr(params, field.name)
       if value is not None:
-        value = jax.tree.map(make, value, getattr(specs, field.name))
+        value = jax.tree.map(one, value, getattr(specs, field.name), is_leaf=is_quantized)
       setattr(self, field.name, nnx.data(value))
 
   def moe_params(self) -> MoEParams:

@@ -5,13 +5,17 @@
 
 `BACKENDS` is the table of implementations, each `(x_MD, w_GDF, group_sizes_G, *, out_dtype,
 max_tile, min_tile) -> [M, F]` (products accumulated in float32, the result written in
-`out_dtype`), differentiable in x and w, doing only the routed FLOPs where it can:
+`out_dtype`), differentiable in x and w, doing only the routed FLOPs where it can. Where w is a
+`quant.QuantizedArray` (frozen: differentiable in x only), `QUANTIZED_WEIGHTS` says how
+each backend takes it:
 
   * "tiled" (`kernels/tiled.py`): power-of-two row tiles in group-major `while_loop`s, routed
     FLOPs plus bounded padding, forward and backward, on any platform. The CPU backend.
   * "megablox" (`kernels/tpu.py`): JAX's megablox Pallas kernels (gmm forward and dx, tgmm dw):
     routed FLOPs forward and backward, the TPU backend. bfloat16 and float32 only; other
-    dtypes, and a single group, take "ragged_dot". Named explicitly, it runs anywhere: off
+    dtypes, and a single group, take "ragged_dot". A quantized w runs the project's own
+    kernel on megablox's grid (`kernels/tpu_quant.py`), which decodes each block of w in
+    VMEM. Named explicitly, it runs anywhere: off
     TPU in Pallas interpret mode (slow; for tests).
   * "mosaic_gpu" (`kernels/gpu.py`): JAX's Mosaic GPU Pallas kernels for Hopper (ragged_dot
     forward and dx, transposed_ragged_dot dw): routed FLOPs forward and backward, the CUDA
@@ -38,6 +42,7 @@ inside shard_map and under a differentiated `lax.scan` over layers: tests/test_g
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -52,7 +57,8 @@ from moe_shard.kernels.tiled import default_tiles, gmm_tiled, gmm_tiled_frozen, 
 from moe_shard.kernels.tokamax import tokamax_gmm
 from moe_shard.kernels.tpu import DTYPES as MEGABLOX_DTYPES
 from moe_shard.kernels.tpu import megablox_gmm
-from moe_shard.quant import is_quantized, stop_gradient
+from moe_shard.kernels.tpu_quant import quantized_gmm
+from moe_shard.quant import is_quantized, stop_gradient, zero_cotangent
 from moe_shard.sharding import match_vma
 
 
@@ -87,7 +93,7 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   which re-reads w for every row tile (compiled for v5e: bench/results/gmm_tpu_v5e.md).
   """
   if is_quantized(w_GDF):
-    return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
+    return _megablox_quantized(x_MD, w_GDF, group_sizes_G, out_dtype)
   if x_MD.dtype not in MEGABLOX_DTYPES or w_GDF.shape[0] == 1:
     return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
 
@@ -97,6 +103,54 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
     )
 
   return jax.lax.platform_dependent(x_MD, w_GDF, group_sizes_G, tpu=run(False), default=run(True))
+
+
+def _megablox_quantized(x_MD, w_GDF, group_sizes_G, out_dtype):
+  """megablox's grid with a quantized w: `kernels.tpu_quant`, which decodes each block of
+  w in VMEM (no float copy of w), forward and (w frozen) dx; x in bfloat16 or float32."""
+  if x_MD.dtype not in MEGABLOX_DTYPES:
+    return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
+
+  def run(interpret):
+    def call(x, values, scales, gs):
+      w = dataclasses.replace(w_GDF, values=values, scales=scales)
+      return frozen_quantized_gmm(x, w, gs, out_dtype, interpret)
+
+    return call
+
+  args = (x_MD, w_GDF.values, w_GDF.scales, group_sizes_G)
+  return jax.lax.platform_dependent(*args, tpu=run(False), default=run(True))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def frozen_quantized_gmm(x_MD, w_GDF, group_sizes_G, out_dtype, interpret):
+  """`quantized_gmm` differentiable in x: dx = dy @ w^T by the transposed kernel; w's
+  cotangent is zero (quantized matrices are frozen)."""
+  return quantized_gmm(
+    x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype, interpret=interpret
+  )
+
+
+def _frozen_fwd(x_MD, w_GDF, group_sizes_G, out_dtype, interpret):
+  y = frozen_quantized_gmm(x_MD, w_GDF, group_sizes_G, out_dtype, interpret)
+  return y, (jnp.zeros((), x_MD.dtype), w_GDF, group_sizes_G)  # a scalar: x's dtype
+
+
+def _frozen_bwd(out_dtype, interpret, res, dy_MF):
+  x_0, w_GDF, group_sizes_G = res
+  x_dtype = x_0.dtype
+  dx_MD = quantized_gmm(
+    dy_MF.astype(x_dtype),
+    w_GDF,
+    group_sizes_G,
+    transpose_rhs=True,
+    preferred_element_type=x_dtype,
+    interpret=interpret,
+  )
+  return dx_MD, zero_cotangent(w_GDF), None
+
+
+frozen_quantized_gmm.defvjp(_frozen_fwd, _frozen_bwd)
 
 
 def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
