@@ -7,8 +7,8 @@
   against a float64 grouped matmul of the decoded values.
 * The layer on quantized experts, every dispatch on one device and on 8, against the
   float64 layer model of `tests/layer_oracle.py` on the decoded values: y within 2e-5 of
-  the largest entry, and the gradients of x, the router, the expert biases and the shared
-  experts against the model's central differences. The quantized leaves' gradients are
+  the largest entry, and the gradients of x, the router and the expert biases against the
+  model's central differences. The quantized leaves' gradients are
   zero (float0 for integer values).
 * Expert tensor and FSDP axes, `init_moe_params` / `moe_param_specs` with
   `weights_format`, the NNX and Equinox modules, and every error path.
@@ -35,7 +35,7 @@ from moe_shard.kernels.grouped_matmul import QUANTIZED_WEIGHTS
 RTOL = 2e-5
 # (d_model, d_ff) per format: the smallest sizes the format's blocks divide.
 DIMS = {"int8": (16, 32), "fp8": (128, 128), "mxfp4": (32, 64)}
-B, S, E, K = 4, 4, 8, 2  # T = 16 tokens: 2 per device on 8 devices
+B, S, E, K = 2, 4, 8, 2  # T = 8 tokens: 1 per device on 8 devices
 
 
 def np_decode(q):
@@ -167,8 +167,9 @@ def _case(fmt, seed=0):
 
 
 def _fd(p64, x, ct, cfg, h=1e-6):
-  """Central differences of the model's loss in x, the router, the expert biases and the
-  shared experts (not the quantized matrices: frozen)."""
+  """Central differences of the model's loss in x, the router and two expert biases (one
+  before the quantized matrices' activation, one after; not the quantized matrices, which
+  are frozen, nor the float shared experts, which tests/test_layer_oracle.py covers)."""
   x = np.asarray(x, np.float64)
 
   def loss(p, x):
@@ -188,18 +189,11 @@ def _fd(p64, x, ct, cfg, h=1e-6):
   out["router_DE"] = grad_of(
     lambda: p64.router_DE, lambda b: loss(dataclasses.replace(p64, router_DE=b), x)
   )
-  for f in ("gate_b_EF", "up_b_EF", "down_b_ED"):
+  for f in ("gate_b_EF", "down_b_ED"):
     out[f] = grad_of(
       lambda f=f: getattr(p64.experts, f),
       lambda b, f=f: loss(
         dataclasses.replace(p64, experts=dataclasses.replace(p64.experts, **{f: b})), x
-      ),
-    )
-  for f in ("gate_EDF", "up_EDF", "down_EFD"):
-    out["shared." + f] = grad_of(
-      lambda f=f: getattr(p64.shared, f),
-      lambda b, f=f: loss(
-        dataclasses.replace(p64, shared=dataclasses.replace(p64.shared, **{f: b})), x
       ),
     )
   return out
@@ -257,10 +251,10 @@ def test_layer_on_quantized_experts_matches_the_float64_model(impl, on_mesh, fmt
   _assert_rel(y, y64, "y")
   _assert_rel(gx, g64["x"], "dx")
   _assert_rel(gp.router_DE, g64["router_DE"], "d router_DE")
-  for f in ("gate_b_EF", "up_b_EF", "down_b_ED"):
+  for f in ("gate_b_EF", "down_b_ED"):
     _assert_rel(getattr(gp.experts, f), g64[f], f"d experts.{f}")
+  assert np.any(np.asarray(gp.shared.down_EFD))  # the shared experts train
   for f in ("gate_EDF", "up_EDF", "down_EFD"):
-    _assert_rel(getattr(gp.shared, f), g64["shared." + f], f"d shared.{f}")
     # Frozen: zeros for float arrays (scales, FP8 values), float0 for integer values.
     for a in getattr(gp.experts, f).arrays():
       assert a.dtype == jax.dtypes.float0 or not np.any(np.asarray(a)), f
