@@ -16,8 +16,8 @@ have the expert axis first: matrices `[E, in, out]`, each optionally followed by
 name ends in its shape letters (`gate_EDF`, `down_b_ED`), which `ExpertFFN.param_shapes`
 and `ExpertFFN.check_shapes` read.
 
-`__call__(x_MD, matmul)` maps tokens to outputs through a matmul supplied by the dispatch;
-the FFN never indexes experts itself, so the same code runs
+`__call__(x_MD, matmul)` maps tokens to outputs through a matmul supplied by the dispatch
+(`matmuls.py`); the FFN never indexes experts itself, so the same code runs
 
   * on grouped tokens: `matmul` is a `GroupedMatmul` and the leaves are `[E, ...]`;
   * on one expert: the masked-scan reference passes leaves sliced to `[...]` and
@@ -30,7 +30,9 @@ expert that row belongs to, and nothing to padding rows (rows past `sum(group_si
 so a bias never reaches a row that no token sent. An FFN without biases needs only
 `matmul(x_MD, w)`. A new FFN is one class (subclass `ExpertFFN`, or give it `d_in`,
 `d_out`, `param_shapes` and `__call__`) and, to be named by a string, one `EXPERTS`
-entry. A bare `f[E, D, F]` array is accepted wherever an FFN is and means `Linear`.
+entry. A bare `f[E, D, F]` array is accepted wherever an FFN is and means `Linear`. A
+matrix field may hold a `quant.QuantizedArray` (values and block scales, frozen), which
+the matmuls decode.
 """
 
 from __future__ import annotations
