@@ -18,9 +18,10 @@ The families (config.json `model_type`) are the keys of `FAMILIES` (`hf/families
 
 from moe_shard.hf.families import FAMILIES
 from moe_shard.hf.io import bytes_read, reset_bytes_read
-from moe_shard.hf.load import load_moe_layer, load_moe_layers, moe_layers, save_moe_layers
+from moe_shard.hf.load import load_moe_layer, load_moe_layers, moe_layers
 from moe_shard.hf.mxfp4 import dequantize as dequantize_mxfp4
 from moe_shard.hf.mxfp4 import quantize as quantize_mxfp4
+from moe_shard.hf.save import save_moe_layers
 
 __all__ = [
   "FAMILIES",
