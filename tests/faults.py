@@ -180,6 +180,22 @@ FAULTS = {
     (("bench/measure.py", "groups = int(g.group(1)) if g else 1", "groups = 1"),),
     ("tests/test_measure.py", "-k", "convolution"),
   ),
+  "N": Fault(
+    "MXFP4 decodes the high nibble of each byte as the even row",
+    (
+      (
+        "moe_shard/quant.py",
+        "codes = jnp.stack([values & 0x0F, values >> 4], axis=-2)",
+        "codes = jnp.stack([values >> 4, values & 0x0F], axis=-2)",
+      ),
+    ),
+    ("tests/test_quant.py", "-k", "decoders or checkpoint_quantizers"),
+  ),
+  "O": Fault(
+    "the transposed TPU kernel's dx for a quantized w uses the forward kernel",
+    (("moe_shard/kernels/grouped_matmul.py", "    transpose_rhs=True,\n", "    transpose_rhs=False,\n"),),
+    ("tests/test_quant.py", "-k", "megablox"),
+  ),
 }
 
 REPO = Path(__file__).resolve().parent.parent
