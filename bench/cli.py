@@ -35,9 +35,15 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
     its time over each row's), the second the matmuls alone in the case's dtype.
   auto: the library's default dispatch on the mesh; torch_moe: a torchtitan-style PyTorch
     layer on one CUDA device (`bench/torch_peer.py`), elsewhere "not run" with the reason.
+  weights: with --weights-format, the routed experts' matrices as held: the case's dtype, or
+    int8, fp8 or mxfp4 (`ms.QuantizedArray`; rel err against the dequantized values). Rows
+    that take float matrices only (jit_gshard_einsum, dense_limit, matmul_limit, torch_moe)
+    run for the float format only.
   Memory per device (layer level): the layer's parameters as stored (their shardings: a
     tensor axis in --mesh splits each expert's F, --fsdp its D), the program's arguments
-    and temp; with --model-layers L, the weights, gradients and Adam state of L layers.
+    and temp, the routed experts' matrices as held (experts MiB, with quantized rows); with
+    --model-layers L, the weights, gradients and Adam state of L layers (none of either for
+    quantized matrices: frozen).
 """
 
 from __future__ import annotations

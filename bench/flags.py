@@ -99,6 +99,11 @@ SCALING = dict(
 )
 
 
+# --weights-format: a float name means the case's --dtype; the others are `ms.FORMATS`.
+FLOAT_WEIGHTS = ("float32", "bfloat16")
+QUANTIZED_WEIGHTS = ("int8", "fp8", "mxfp4")
+
+
 class UsageError(Exception):
   """A bad flag or an impossible combination: one line on stderr, exit code 2."""
 
@@ -181,8 +186,25 @@ def parser():
     help="also report, per device, the weights, gradients (the weights' dtype) and Adam "
     "state (2 x float32) of L such layers, from the parameters' shardings",
   )
+  p.add_argument("--dtype", choices=FLOAT_WEIGHTS, help="default float32 (bfloat16 with --tpu)")
   p.add_argument(
-    "--dtype", choices=("float32", "bfloat16"), help="default float32 (bfloat16 with --tpu)"
+    "--weights-format",
+    help="comma-separated from " + ", ".join(FLOAT_WEIGHTS + QUANTIZED_WEIGHTS) + ": the routed "
+    "experts' matrices as held; a float name means the case's --dtype (the default), int8, "
+    "fp8 and mxfp4 quantized (MoEConfig.weights_format; fp8 needs D and F divisible by 128, "
+    "mxfp4 by 32). Each format is a row of its own; rows that take float matrices only "
+    "(jit_gshard_einsum, dense_limit, matmul_limit, torch_moe) run for the float one",
+  )
+  p.add_argument(
+    "--expert-type",
+    choices=("swiglu", "clamped_swiglu"),
+    help="layer level: the experts' FFN (MoEConfig.expert_type; default swiglu; "
+    "clamped_swiglu is gpt-oss's)",
+  )
+  p.add_argument(
+    "--expert-bias",
+    action="store_true",
+    help="layer level: biases on the experts' matrices (MoEConfig.expert_bias)",
   )
   p.add_argument("--routing", help="comma-separated from uniform, zipf, hot_expert, one_device")
   p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent s > 0 (default 1.2)")
@@ -330,7 +352,32 @@ def settings(a):
   if a.model_layers < 0:
     raise UsageError(f"--model-layers must be >= 0 (got {a.model_layers})")
   s["model_layers"] = a.model_layers
+  s["weights_formats"] = weights_formats(a.weights_format, s["dtype"])
+  quantized = [f for f in s["weights_formats"] if f in QUANTIZED_WEIGHTS]
+  takes = _quantized_impl_names()
+  if quantized and not any(i in takes for i in s["impls"]):
+    raise UsageError(
+      f"--weights-format {','.join(quantized)} needs an impl that takes quantized matrices "
+      f"(from {', '.join(takes)}; got --impls {','.join(s['impls'])})"
+    )
+  if (a.expert_type or a.expert_bias) and "kernel" in s["levels"]:
+    raise UsageError(
+      "--expert-type and --expert-bias are layer settings: --levels layer only "
+      "(the kernel level runs one [D, F] matrix per expert)"
+    )
+  s["expert_type"] = a.expert_type or "swiglu"
+  s["expert_bias"] = a.expert_bias
   return s
+
+
+def weights_formats(value, dtype):
+  """The formats of `--weights-format`, in order without repeats: the float names as
+  `dtype` (float weights in the case's dtype), the quantized ones as given; [dtype] when
+  `value` is None."""
+  if value is None:
+    return [dtype]
+  items = _list(value, FLOAT_WEIGHTS + QUANTIZED_WEIGHTS, "--weights-format")
+  return list(dict.fromkeys(dtype if f in FLOAT_WEIGHTS else f for f in items))
 
 
 def _check_writable(flag, value, path):
@@ -398,3 +445,9 @@ def _impl_names():
   from bench.impls import BENCH_IMPLS  # imports jax, which is fine: no backend starts here
 
   return tuple(BENCH_IMPLS)
+
+
+def _quantized_impl_names():
+  from bench.impls import BENCH_IMPLS
+
+  return tuple(k for k, v in BENCH_IMPLS.items() if v.quantized)

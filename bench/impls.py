@@ -38,6 +38,8 @@ class Impl:
       the row cannot run (the row then says why).
     foreign: `programs` run outside JAX (PyTorch): timed in turns with the others, their
       forward checked against the reference, nothing compiled or read from XLA.
+    quantized: it takes quantized expert matrices (`--weights-format int8,fp8,mxfp4`); an
+      entry that does not runs for the float weights only and gets no row for the others.
   """
 
   dispatch: str | Callable | None
@@ -45,6 +47,7 @@ class Impl:
   per_size: bool = False
   programs: Callable | None = None
   foreign: bool = False
+  quantized: bool = True
 
   def resolve(self, size):
     """The dispatch for a size: a library name or a function."""
@@ -88,17 +91,22 @@ BENCH_IMPLS = {
   "all_gather": Impl("all_gather", accounting.all_gather),
   "jit_ragged_dot": Impl("ragged_dot", accounting.ragged_dot),
   "jit_masked_scan": Impl("masked_scan", accounting.masked_scan),
+  # Float weights only: its einsums take the expert matrices as they are.
   "jit_gshard_einsum": Impl(
-    lambda size: baselines.GShard(size.capacity_factor), accounting.gshard, per_size=True
+    lambda size: baselines.GShard(size.capacity_factor),
+    accounting.gshard,
+    per_size=True,
+    quantized=False,
   ),
-  "dense_limit": Impl(None, accounting.unknown, programs=baselines.dense_limit),
-  "matmul_limit": Impl(None, accounting.unknown, programs=baselines.matmul_limit),
+  # The limits and the PyTorch peer compute with float matrices of their own.
+  "dense_limit": Impl(None, programs=baselines.dense_limit, quantized=False),
+  "matmul_limit": Impl(None, programs=baselines.matmul_limit, quantized=False),
   # A torchtitan-style PyTorch layer (`bench/torch_peer.py`): one CUDA device, layer level.
-  "torch_moe": Impl(None, accounting.unknown, programs=_torch_moe, foreign=True),
+  "torch_moe": Impl(None, programs=_torch_moe, foreign=True, quantized=False),
 }
 
 
-def register(name, dispatch, accounting=accounting.unknown):
+def register(name, dispatch, accounting=accounting.unknown, quantized=True):
   """Adds a dispatch to the benchmark under `name` (replacing an entry of that name).
 
   Args:
@@ -108,5 +116,7 @@ def register(name, dispatch, accounting=accounting.unknown):
       into a `MoEConfig`, a `jax.jit` static argument.
     accounting: `(case, on_tpu) -> accounting.Accounting` (default: no rounds, nothing
       dropped, its loops counted once and flagged).
+    quantized: it takes an FFN whose matrices are `ms.QuantizedArray`s, as the library's
+      dispatches do (default True); False runs it for float weights only.
   """
-  BENCH_IMPLS[name] = Impl(dispatch, accounting)
+  BENCH_IMPLS[name] = Impl(dispatch, accounting, quantized=quantized)

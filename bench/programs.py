@@ -55,6 +55,10 @@ class Size:
   expert_tensor_axis: str | None = None
   expert_fsdp_axis: str | None = None
   num_shared_experts: int = 0  # layer level: dense SwiGLU experts of width F on every token
+  # The routed experts' matrices: None (float, in `dtype`) or "int8", "fp8", "mxfp4".
+  weights_format: str | None = None
+  expert_type: str = "swiglu"  # layer level: MoEConfig.expert_type and expert_bias
+  expert_bias: bool = False
   # The layer's router (MoEConfig fields): sigmoid scores, group-limited top-k, scaling.
   score_func: str = "softmax"
   num_groups: int = 1
@@ -110,6 +114,18 @@ def check_combination(size, E, mesh, level):
       raise ValueError(
         f"{dim} ({n}) must be divisible by the {axis} axis of the mesh ({mesh.shape[axis]})"
       )
+  if size.weights_format is not None:
+    # The matrices' [input, output] shapes: the kernel's one, the layer's gate/up and down.
+    shapes = [(size.D, size.F)] + ([(size.F, size.D)] if level == "layer" else [])
+    for i, o in shapes:
+      for axis, n, block in zip(("input", "output"), (i, o), ms.quant.BLOCKS[size.weights_format]):
+        if block is not None and n % block:
+          raise ValueError(
+            f"weights format {size.weights_format!r} needs the {axis} dimension of every "
+            f"[{i}, {o}] expert matrix divisible by its block ({block}); got {n}"
+          )
+  if level != "layer" and (size.expert_type != "swiglu" or size.expert_bias):
+    raise ValueError("expert_type and expert_bias are layer settings: layer level only")
   if level == "layer" and size.D < 2:
     raise ValueError(
       f"d_model must be >= 2 at layer level, where feature 0 carries the "
@@ -138,6 +154,9 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     expert_tensor_axis=size.expert_tensor_axis,
     expert_fsdp_axis=size.expert_fsdp_axis,
     num_shared_experts=size.num_shared_experts,
+    weights_format=size.weights_format,
+    expert_type=size.expert_type,
+    expert_bias=size.expert_bias,
   )
   tok = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   rng = np.random.default_rng(seed)
@@ -164,7 +183,7 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     exp = NamedSharding(mesh, P(ms.EXPERT))
     args = (
       put(x, tok, dtype),
-      put(w, exp, dtype),
+      quantized(put(w, exp, dtype), size.weights_format, mesh),
       put(experts, tok),
       put(weights, tok),
       put(dy, tok, dtype),
@@ -215,6 +234,21 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   args = (params, put(x, tok, dtype), put(draw(B, T // B, D), tok, dtype))
   routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * (K + size.num_shared_experts)
   return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg)
+
+
+def quantized(w_EDF, fmt, mesh):
+  """The kernel's expert matrices in `fmt` (`ms.QuantizedArray`, values and scales split
+  over the expert axis as `w_EDF` is), or `w_EDF` itself for float weights (`fmt` None).
+  A `ShapeDtypeStruct` gives one of them (nothing computed)."""
+  if fmt is None:
+    return w_EDF
+  shapes = jax.eval_shape(lambda w: ms.quant.quantize(w, fmt), w_EDF)
+  shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), ms.quant.expand(P(ms.EXPERT), shapes))
+  if isinstance(w_EDF, jax.ShapeDtypeStruct):
+    return jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+  return jax.jit(lambda w: ms.quant.quantize(w, fmt), out_shardings=shardings)(w_EDF)
 
 
 def equal_logit_columns(w_RE):
@@ -296,8 +330,10 @@ def _select(logits, k, size):
 def programs(case, impl):
   """Returns {"fwd": jitted fn, "fwd_bwd": jitted fn} of the `impl` entry on `case`.
 
-  Kernel level: (x, w, experts, weights, dy) -> y, or (y, dx, dw, dweights). Layer level:
-  (params, x, dy) -> (y, aux_loss, rounds, dropped_items), or (y, dparams, dx).
+  Kernel level: (x, w, experts, weights, dy) -> y, or (y, dx, dw, dweights) (y, dx, dweights
+  for a quantized w: frozen). Layer level: (params, x, dy) -> (y, aux_loss, rounds,
+  dropped_items), or (y, dparams, dx) (with quantized matrices, dparams is the list of the
+  trainable leaves of `ms.quant.split_frozen`).
   """
   return programs_and_args(case, impl)[0]
 
@@ -327,6 +363,9 @@ def _dispatch_programs(case, impl):
       return kernel(x, w, e, g)
 
     def fwd_bwd(x, w, e, g, dy):
+      if ms.quant.is_quantized(w):  # frozen: no gradient of the quantized matrices
+        y, vjp = jax.vjp(lambda x, g: kernel(x, w, e, g), x, g)
+        return (y, *vjp(dy))
       y, vjp = jax.vjp(lambda x, w, g: kernel(x, w, e, g), x, w, g)
       return (y, *vjp(dy))
 
@@ -341,7 +380,12 @@ def _dispatch_programs(case, impl):
       y, aux = ms.moe_layer(p, x, cfg, mesh=mesh)
       return y, aux["aux_loss"]
 
-    (y, _), vjp = jax.vjp(outputs, p, x)
+    if not any(map(ms.quant.is_quantized, jax.tree.leaves(p, is_leaf=ms.quant.is_quantized))):
+      (y, _), vjp = jax.vjp(outputs, p, x)
+      return (y, *vjp((dy, jnp.ones((), jnp.float32))))
+    # Quantized matrices are frozen: the gradient is of the other parameters and x.
+    trainable, frozen, treedef = ms.quant.split_frozen(p)
+    (y, _), vjp = jax.vjp(lambda t, x: outputs(ms.quant.merge(treedef, t, frozen), x), trainable, x)
     return (y, *vjp((dy, jnp.ones((), jnp.float32))))
 
   return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(fwd_bwd)}

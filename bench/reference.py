@@ -37,15 +37,33 @@ class _Linear:
 
 
 class _SwiGLU:
-  def __init__(self, ffn):
+  """SwiGLU, or with `clamp` = (alpha, limit) gpt-oss's clamped SwiGLU:
+  g = min(x @ gate + gb, limit), u = clip(x @ up + ub, -limit, limit),
+  y = ((u + 1) * g * sigmoid(alpha * g)) @ down + db; biases where the FFN has them."""
+
+  def __init__(self, ffn, clamp=None):
     self.g, self.u, self.d = (
       np.asarray(a, np.float64) for a in (ffn.gate_EDF, ffn.up_EDF, ffn.down_EFD)
     )
+    self.b = [
+      None if b is None else np.asarray(b, np.float64)
+      for b in (getattr(ffn, n, None) for n in ("gate_b_EF", "up_b_EF", "down_b_ED"))
+    ]
+    self.clamp = clamp
     self.num, self.d_out = self.g.shape[0], self.d.shape[2]
 
+  def _bias(self, i, e, y):
+    return y if self.b[i] is None else y + self.b[i][e]
+
   def __call__(self, e, x_MD):
-    g, u = x_MD @ self.g[e], x_MD @ self.u[e]
-    return (g / (1.0 + np.exp(-g)) * u) @ self.d[e]
+    g, u = self._bias(0, e, x_MD @ self.g[e]), self._bias(1, e, x_MD @ self.u[e])
+    if self.clamp is None:
+      h = g / (1.0 + np.exp(-g)) * u
+    else:
+      alpha, limit = self.clamp
+      g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+      h = (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+    return self._bias(2, e, h @ self.d[e])
 
 
 def kernel(x_TD, w_EDF, experts_TK, weights_TK, *, kept=None):
@@ -64,7 +82,9 @@ def kernel(x_TD, w_EDF, experts_TK, weights_TK, *, kept=None):
 def layer(params, x_BSD, cfg, experts_TK, *, kept=None):
   """The layer level: the router's scores (softmax, or sigmoid with `cfg.score_func`) of the
   given experts as weights (normalized over them when `cfg.normalize_top_k`, times
-  `cfg.routed_scaling`), SwiGLU experts and the shared experts; f32[B, S, D]."""
+  `cfg.routed_scaling`), SwiGLU experts (gpt-oss's clamped SwiGLU with
+  `cfg.expert_type="clamped_swiglu"`, their biases where they have them) and the shared
+  experts; f32[B, S, D]. Quantized experts come in as the float values they stand for."""
   B, S, D = x_BSD.shape
   x = np.asarray(x_BSD, np.float64).reshape(B * S, D)
   logits = x @ np.asarray(params.router_DE, np.float64)
@@ -77,7 +97,10 @@ def layer(params, x_BSD, cfg, experts_TK, *, kept=None):
   if cfg.normalize_top_k:
     weights /= weights.sum(axis=1, keepdims=True)
   weights = weights * getattr(cfg, "routed_scaling", 1.0)
-  y = _combine(x, experts_TK, weights, kept, _SwiGLU(params.experts))
+  clamp = None
+  if getattr(cfg, "expert_type", "swiglu") == "clamped_swiglu":
+    clamp = (cfg.swiglu_alpha, cfg.swiglu_limit)
+  y = _combine(x, experts_TK, weights, kept, _SwiGLU(params.experts, clamp))
   if params.shared is not None:
     shared = _SwiGLU(params.shared)
     y = y + sum(shared(e, x) for e in range(shared.num))

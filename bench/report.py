@@ -17,9 +17,37 @@ def _ms(t):
   return f"{t * 1e3:.0f}" if t >= 0.01 else f"{t * 1e3:.2g}"
 
 
+def weights(row):
+  """The row's routed-expert matrices: its `weights_format`, or (rows from before the
+  field) its dtype."""
+  return row.get("weights_format", row.get("dtype"))
+
+
+def quantized_rows(rows):
+  """Whether any row holds quantized expert matrices: then tables show a weights column."""
+  return any(weights(r) != r.get("dtype") for r in rows)
+
+
+def float_only_note(rows):
+  """The impls that ran for the float weights only, in words ("" when none)."""
+  if not quantized_rows(rows):
+    return ""
+  by = {}
+  for r in rows:
+    by.setdefault(r["impl"], set()).add(weights(r) != r.get("dtype"))
+  only = [i for i, q in by.items() if q == {False}]
+  if not only:
+    return ""
+  return (
+    f"\n{', '.join(only)}: float weights only (they compute with float matrices of their "
+    "own); the quantized rows' eff. is the float dense limit's time over theirs.\n"
+  )
+
+
 def table(rows):
   """The results as a Markdown table."""
   tpu = any("topology" in r for r in rows)
+  quant = quantized_rows(rows)
   if tpu:
     head = (
       "| level | T | E | routing | mode | impl | XLA est. ms | XLA est. ms, loops scaled | "
@@ -32,12 +60,16 @@ def table(rows):
       "flops x | MiB/dev | x bound (uniform/routing) | temp MiB | rounds | dropped | "
       "rel err (max abs) | compile s |"
     )
+  if quant:
+    head = head.replace("| impl |", "| impl | weights |", 1)
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     common = f"| {r['level']} | {r['T']} | {r['E']} | {r['routing']} | {r['mode']} | {r['impl']} "
+    if quant:
+      common += f"| {weights(r)} "
     if "error" in r:
       why = r["error"] if r["error"].startswith("not run") else f"did not compile: {r['error']}"
-      out.append(common + f"| {why} |" + " |" * (head.count("|") - 8))
+      out.append(common + f"| {why} |" + " |" * (head.count("|") - 8 - quant))
       continue
     bound = "/".join(
       f"{r[k]:.2f}" if r.get(k) is not None else "-"
@@ -86,7 +118,7 @@ def table(rows):
       "\n\\* a loop XLA generated without a trip count it shows was counted once: "
       "these FLOPs and bytes are a lower bound."
     )
-  return "\n".join(out) + "\n"
+  return "\n".join(out) + "\n" + float_only_note(rows)
 
 
 def headline(rows):
@@ -108,9 +140,13 @@ def headline(rows):
   groups = {}
   for r in rows:
     if "error" not in r:
-      groups.setdefault((r["level"], r["T"], r["E"], r["routing"], r["mode"]), []).append(r)
+      group = (r["level"], weights(r), r["T"], r["E"], r["routing"], r["mode"])
+      groups.setdefault(group, []).append(r)
+  quant = quantized_rows(rows)
   lines = []
-  for (level, T, E, routing, mode), rs in groups.items():
+  for (level, fmt, T, E, routing, mode), rs in groups.items():
+    if quant:
+      level = f"{level} ({fmt})"
     a2a = [r for r in rs if r["impl"] == "all_to_all"]
     jit = [r for r in rs if r["impl"].startswith("jit_")]
     timed = [r for r in jit if seconds(r) is not None]
@@ -161,6 +197,11 @@ def markdown(rows, info, argv, s):
   return (
     f"# moe_shard benchmark\n\n`{' '.join(argv)}`\n\n"
     f"T={r0['T']} tokens in all, D={r0['D']}, F={r0['F']}, K={r0['K']}, {r0['dtype']}, "
+    + (
+      f"expert weights {', '.join(dict.fromkeys(weights(r) for r in rows))}, "
+      if quantized_rows(rows)
+      else ""
+    )
     + (f"{r0['shared_experts']} shared expert(s), " if r0.get("shared_experts") else "")
     + f"mesh {mesh_text(rows)}, {where}. Machine: {info['cpu']}, "
     f"{info['cores']} cores, JAX {info['jax']}, malloc: "
@@ -198,30 +239,52 @@ def memory_section(rows):
   if not rows:
     return ""
   layers = any("model_state_bytes" in r for r in rows)
-  head = "| T | E | mode | impl | params MiB | arguments MiB | temp MiB |"
+  quant = quantized_rows(rows)
+  experts = any("expert_bytes" in r for r in rows)
+  head = (
+    "| T | E | mode | impl |"
+    + (" weights |" if quant else "")
+    + " params MiB |"
+    + (" experts MiB |" if experts else "")
+    + " arguments MiB | temp MiB |"
+  )
   if layers:
-    head += " model: weights / grads / Adam GB | model total GB |"
+    head += " model: weights (experts) / grads / Adam GB | model total GB |"
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     line = (
-      f"| {r['T']} | {r['E']} | {r['mode']} | {r['impl']} | {r['param_bytes'] / 2**20:.1f} | "
-      f"{r['argument_bytes'] / 2**20:.1f} | {r['temp_bytes'] / 2**20:.1f} |"
+      f"| {r['T']} | {r['E']} | {r['mode']} | {r['impl']} |"
+      + (f" {weights(r)} |" if quant else "")
+      + f" {r['param_bytes'] / 2**20:.1f} |"
+      + (
+        f" {r['expert_bytes'] / 2**20:.1f} |" if "expert_bytes" in r else " - |" if experts else ""
+      )
+      + f" {r['argument_bytes'] / 2**20:.1f} | {r['temp_bytes'] / 2**20:.1f} |"
     )
     if layers:
       m = r.get("model_state_bytes")
       line += (
-        f" {m['weights'] / 1e9:.1f} / {m['grads'] / 1e9:.1f} / {m['adam'] / 1e9:.1f} | "
+        f" {m['weights'] / 1e9:.1f} ({m['experts'] / 1e9:.1f}) / {m['grads'] / 1e9:.1f} / "
+        f"{m['adam'] / 1e9:.1f} | {m['total'] / 1e9:.1f} |"
+        if m and "experts" in m
+        else f" {m['weights'] / 1e9:.1f} / {m['grads'] / 1e9:.1f} / {m['adam'] / 1e9:.1f} | "
         f"{m['total'] / 1e9:.1f} |"
         if m
         else " - | - |"
       )
     out.append(line)
   n = max((r["model_state_bytes"]["layers"] for r in rows if "model_state_bytes" in r), default=0)
+  held = (
+    "; experts: the routed experts' matrices as held (values and scales when quantized)"
+    if experts
+    else ""
+  )
   note = (
-    f"\n(per device; params: the layer's parameters as stored; model: {n} such layers, "
-    "gradients in the weights' dtype, Adam's two moments in float32, no activations)\n"
+    f"\n(per device; params: the layer's parameters as stored{held}; model: {n} such "
+    "layers, gradients in the weights' dtype, Adam's two moments in float32, none for "
+    "quantized matrices (frozen), no activations)\n"
     if layers
-    else "\n(per device; params: the layer's parameters as stored)\n"
+    else f"\n(per device; params: the layer's parameters as stored{held})\n"
   )
   return "\n".join(out) + "\n" + note
 
@@ -247,6 +310,7 @@ CSV_FIELDS = (
   "F",
   "K",
   "dtype",
+  "weights_format",
   "mesh",
   "devices",
   "time_median_s",
@@ -261,6 +325,7 @@ CSV_FIELDS = (
   "bytes_over_bound",
   "bytes_over_routing_bound",
   "temp_bytes",
+  "expert_bytes",
   "rounds",
   "dropped",
   "max_abs_err",
@@ -306,14 +371,19 @@ def plot(rows, path):
   tpu = any("topology" in r for r in rows)
   rows = [r for r in rows if "error" not in r]
   panels = list(dict.fromkeys((r["level"], r["mode"]) for r in rows))
-  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  quant = quantized_rows(rows)
+
+  def series(r):  # one colour per impl, and per weights format when there are several
+    return f"{r['impl']} {weights(r)}" if quant else r["impl"]
+
+  impls = list(dict.fromkeys(series(r) for r in rows))
   fig, axes = plt.subplots(3, len(panels), figsize=(min(5 * len(panels), 22), 10), squeeze=False)
   width = 0.8 / len(impls)
   for col, (level, mode) in enumerate(panels):
     here = [r for r in rows if (r["level"], r["mode"]) == (level, mode)]
     cases = list(dict.fromkeys((r["T"], r["E"], r["routing"]) for r in here))
     for i, impl in enumerate(impls):
-      by = {(r["T"], r["E"], r["routing"]): r for r in here if r["impl"] == impl}
+      by = {(r["T"], r["E"], r["routing"]): r for r in here if series(r) == impl}
       xs = [j + i * width for j, c in enumerate(cases) if c in by]
       secs = [
         by[c].get("roofline_s") if tpu else by[c]["time_s"]["median"] for c in cases if c in by

@@ -8,6 +8,7 @@ independent NumPy reference (`bench/reference.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -107,10 +108,10 @@ class Progress:
 
 def run(s, a, mesh, progress_enabled, tpu_topology=None):
   """Measures every (level, E, routing) case; returns the rows."""
-  from bench import accounting, common, malloc, measure, tpu
+  from bench import common, malloc
   from bench import programs as progs
   from bench.flags import SCALING
-  from bench.impls import BENCH_IMPLS, NotRun
+  from bench.impls import BENCH_IMPLS
 
   def sizes_and_cases(part):
     return [
@@ -127,6 +128,8 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
           expert_tensor_axis=s.get("expert_tensor_axis"),
           expert_fsdp_axis=s.get("expert_fsdp_axis"),
           num_shared_experts=s.get("shared_experts", 0),
+          expert_type=s.get("expert_type", "swiglu"),
+          expert_bias=s.get("expert_bias", False),
           **s["router"],
         ),
         (lv, E, r),
@@ -138,132 +141,41 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
     ]
 
   cases = sizes_and_cases(s) + (sizes_and_cases(SCALING) if s["scaling"] else [])
+  # The routed experts' matrices: None (float, the case's dtype) or a quantized format.
+  formats = [None if f == s["dtype"] else f for f in s.get("weights_formats", [s["dtype"]])]
   for size, (lv, E, _) in cases:  # every impossible combination before any work
-    try:
-      progs.check_combination(size, E, mesh, lv)
-    except ValueError as err:
-      raise UsageError(str(err)) from None
-  n_prog = len(s["impls"]) * len(s["modes"])
+    for fmt in formats:
+      try:
+        progs.check_combination(dataclasses.replace(size, weights_format=fmt), E, mesh, lv)
+      except ValueError as err:
+        raise UsageError(str(err)) from None
+
+  def impls_for(fmt):  # rows that take float matrices only run for the float weights
+    return [i for i in s["impls"] if fmt is None or BENCH_IMPLS[i].quantized]
+
+  n_prog = sum(len(impls_for(f)) for f in formats) * len(s["modes"])
   per_case = n_prog + (n_prog if tpu_topology else s["repeats"] + 2)
   bar = Progress(len(cases) * per_case, progress_enabled)
   rows = []
   mesh_name = mesh_label(mesh)
-  for size, (level, E, routing) in cases:
+  for base_size, (level, E, routing) in cases:
     malloc.release_freed_memory()  # the last case's buffers, kept by a reusing malloc
-    case = progs.make_case(level, E, routing, size, mesh, abstract=bool(tpu_topology), seed=a.seed)
-    timed = []
+    timed = []  # every format's programs, timed in turns together
     case_rows = []
-    kept = {}
-    routing_bound = accounting.routing_bound_bytes(case)
-    stored = param_bytes(case.args[0]) if level == "layer" else None
-    for impl in s["impls"]:
-      entry = BENCH_IMPLS[impl]
-      try:
-        fns, impl_args = progs.programs_and_args(case, impl)
-        not_run = None
-      except NotRun as err:  # e.g. the PyTorch peer without PyTorch or a GPU
-        fns, impl_args, not_run = None, None, f"not run: {err}"
-      acc = entry.accounting(case, on_tpu=bool(tpu_topology))
-      rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
-      if entry.programs is None or entry.foreign:  # checked against the MoE reference
-        kept[impl] = acc.kept
-      for mode in s["modes"]:
-        args = impl_args
-        base = dict(
-          level=level,
-          impl=impl,
-          E=E,
-          routing=routing,
-          mode=mode,
-          T=size.T,
-          D=size.D,
-          F=size.F,
-          K=size.K,
-          dtype=size.dtype,
-          mesh=mesh_name,
-          devices=mesh.size,
-          **({"expert_fsdp_axis": size.expert_fsdp_axis} if size.expert_fsdp_axis else {}),
-          **({"shared_experts": size.num_shared_experts} if size.num_shared_experts else {}),
-          **({"topology": tpu_topology} if tpu_topology else {}),
-        )
-        passes = 1 if mode == "fwd" else 3
-        if fns is None or (entry.foreign and tpu_topology):
-          case_rows.append(dict(base, error=not_run or "not run: nothing to compile for a TPU"))
-          bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
-          if tpu_topology:
-            bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
-          continue
-        if entry.foreign:  # timed with the others; its first call stands for a compile
-          t0 = time.perf_counter()
-          fns[mode](*args)
-          row = dict(base, compile_s=time.perf_counter() - t0, rounds=None, dropped=0)
-          row.update(routed_flops=case.routed_flops * passes)
-          bar.step(f"ran {level} E={E} {routing} {impl} {mode}")
-          timed.append((fns[mode], args, row))
-          case_rows.append(row)
-          continue
-        t0 = time.perf_counter()
-        try:
-          compiled = fns[mode].lower(*args).compile()
-        except Exception as err:
-          case_rows.append(dict(base, error=_one_line(err)))
-          bar.step(f"failed {level} E={E} {routing} {impl} {mode}")
-          if tpu_topology:
-            bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
-          continue
-        compile_s = time.perf_counter() - t0
-        bar.step(f"compiled {level} E={E} {routing} {impl} {mode}")
-        short = None if tpu_topology else _host_memory_short(compiled)
-        if short:  # simulated devices share the host's memory: running would be killed
-          case_rows.append(dict(base, error=short))
-          continue
-        executed, busiest, busiest_trips = _executed_flops(compiled, trips)
-        # Every device sends the same slots in every round: device 0's counts serve.
-        coll = _counted(measure.collective_bytes, compiled, trips[0])
-        approx = bool(coll.pop("loop_counted_once", False) or busiest.get("loop_counted_once"))
-        if acc.sent_bytes and "ragged-all-to-all" in coll:  # sized at run time: the host's
-          coll["ragged-all-to-all"]["wire_bytes"] = acc.sent_bytes[mode]
-        wire = sum(c["wire_bytes"] for c in coll.values())
-        passes_bytes = 1 if mode == "fwd" else 2  # forward, and the backward's reverse
-        bound = case.bound_bytes * passes_bytes
-        memory = measure.memory_bytes(compiled)
-        row = dict(
-          base,
-          compile_s=compile_s,
-          routed_flops=case.routed_flops * passes,
-          executed_flops=executed,
-          flops_ratio=executed / (case.routed_flops * passes),
-          wire_bytes=wire,
-          bytes_over_bound=wire / bound if bound else None,
-          bytes_over_routing_bound=(
-            wire / (routing_bound * passes_bytes) if routing_bound else None
-          ),
-          collectives={k: c["wire_bytes"] for k, c in coll.items()},
-          temp_bytes=memory["temp"],
-          argument_bytes=memory["argument"],
-          output_bytes=memory["output"],
-          rounds=rounds,
-          dropped=dropped,
-          **({"loop_counted_once": True} if approx else {}),
-        )
-        if stored and entry.programs is None:  # the layer's own parameters
-          row.update(param_bytes=stored["bytes"], param_elems=stored["elems"])
-          if s.get("model_layers"):
-            row["model_state_bytes"] = model_state_bytes(stored, s["model_layers"])
-        if tpu_topology:
-          from bench import hbm
-
-          row.update(
-            tpu.estimates(
-              compiled, busiest, wire, tpu_topology, hbm.executed_bytes(compiled, busiest_trips)
-            )
-          )
-          if a.hbm_table:
-            row["hbm_table"] = hbm.table(compiled, busiest_trips, top=a.hbm_table)
-          bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
-        else:
-          timed.append((compiled, args, row))
-        case_rows.append(row)
+    checks = []  # (case, its rows, its timed programs, kept) of each format
+    for fmt in formats:
+      size = dataclasses.replace(base_size, weights_format=fmt)
+      case = progs.make_case(
+        level, E, routing, size, mesh, abstract=bool(tpu_topology), seed=a.seed
+      )
+      kept = {}
+      fmt_rows, fmt_timed = [], []
+      checks.append((case, fmt_rows, fmt_timed, kept))
+      _run_format(
+        s, a, case, impls_for(fmt), mesh_name, tpu_topology, bar, fmt_rows, fmt_timed, kept
+      )
+      case_rows += fmt_rows
+      timed += fmt_timed
     if not tpu_topology:
       times = common.time_in_turns(
         [(c, args) for c, args, _ in timed],
@@ -275,36 +187,189 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
       for (_, _, row), t in zip(timed, times):
         row["time_s"] = t
         row["gflops"] = row["routed_flops"] / t["median"] / 1e9
-      _errors(case, case_rows, timed, kept)
+      for case, fmt_rows, fmt_timed, kept in checks:
+        _errors(case, fmt_rows, fmt_timed, kept)
       bar.step(f"checked {level} E={E} {routing}")
     _efficiency(case_rows)
     rows += case_rows
   return rows
 
 
+def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, timed, kept):
+  """Compiles (and, off TPU, readies for timing) every impl of `impls` on one case with one
+  weights format: appends its rows to `case_rows`, the programs to time to `timed` as
+  (program, args, row), and the items each dispatch keeps to `kept`."""
+  from bench import accounting, measure, tpu
+  from bench import programs as progs
+  from bench.impls import BENCH_IMPLS, NotRun
+
+  level, E, routing, size, mesh = case.level, case.E, case.routing, case.size, case.mesh
+  routing_bound = accounting.routing_bound_bytes(case)
+  stored = param_bytes(case.args[0]) if level == "layer" else None
+  for impl in impls:
+    entry = BENCH_IMPLS[impl]
+    try:
+      fns, impl_args = progs.programs_and_args(case, impl)
+      not_run = None
+    except NotRun as err:  # e.g. the PyTorch peer without PyTorch or a GPU
+      fns, impl_args, not_run = None, None, f"not run: {err}"
+    acc = entry.accounting(case, on_tpu=bool(tpu_topology))
+    rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
+    if entry.programs is None or entry.foreign:  # checked against the MoE reference
+      kept[impl] = acc.kept
+    for mode in s["modes"]:
+      args = impl_args
+      base = dict(
+        level=level,
+        impl=impl,
+        E=E,
+        routing=routing,
+        mode=mode,
+        T=size.T,
+        D=size.D,
+        F=size.F,
+        K=size.K,
+        dtype=size.dtype,
+        weights_format=size.weights_format or size.dtype,
+        mesh=mesh_name,
+        devices=mesh.size,
+        **({"expert_fsdp_axis": size.expert_fsdp_axis} if size.expert_fsdp_axis else {}),
+        **({"shared_experts": size.num_shared_experts} if size.num_shared_experts else {}),
+        **({"topology": tpu_topology} if tpu_topology else {}),
+      )
+      passes = 1 if mode == "fwd" else 3
+      if fns is None or (entry.foreign and tpu_topology):
+        case_rows.append(dict(base, error=not_run or "not run: nothing to compile for a TPU"))
+        bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
+        if tpu_topology:
+          bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
+        continue
+      if entry.foreign:  # timed with the others; its first call stands for a compile
+        t0 = time.perf_counter()
+        fns[mode](*args)
+        row = dict(base, compile_s=time.perf_counter() - t0, rounds=None, dropped=0)
+        row.update(routed_flops=case.routed_flops * passes)
+        bar.step(f"ran {level} E={E} {routing} {impl} {mode}")
+        timed.append((fns[mode], args, row))
+        case_rows.append(row)
+        continue
+      t0 = time.perf_counter()
+      try:
+        compiled = fns[mode].lower(*args).compile()
+      except Exception as err:
+        case_rows.append(dict(base, error=_one_line(err)))
+        bar.step(f"failed {level} E={E} {routing} {impl} {mode}")
+        if tpu_topology:
+          bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
+        continue
+      compile_s = time.perf_counter() - t0
+      bar.step(f"compiled {level} E={E} {routing} {impl} {mode}")
+      short = None if tpu_topology else _host_memory_short(compiled)
+      if short:  # simulated devices share the host's memory: running would be killed
+        case_rows.append(dict(base, error=short))
+        continue
+      executed, busiest, busiest_trips = _executed_flops(compiled, trips)
+      # Every device sends the same slots in every round: device 0's counts serve.
+      coll = _counted(measure.collective_bytes, compiled, trips[0])
+      approx = bool(coll.pop("loop_counted_once", False) or busiest.get("loop_counted_once"))
+      if acc.sent_bytes and "ragged-all-to-all" in coll:  # sized at run time: the host's
+        coll["ragged-all-to-all"]["wire_bytes"] = acc.sent_bytes[mode]
+      wire = sum(c["wire_bytes"] for c in coll.values())
+      passes_bytes = 1 if mode == "fwd" else 2  # forward, and the backward's reverse
+      bound = case.bound_bytes * passes_bytes
+      memory = measure.memory_bytes(compiled)
+      row = dict(
+        base,
+        compile_s=compile_s,
+        routed_flops=case.routed_flops * passes,
+        executed_flops=executed,
+        flops_ratio=executed / (case.routed_flops * passes),
+        wire_bytes=wire,
+        bytes_over_bound=wire / bound if bound else None,
+        bytes_over_routing_bound=(wire / (routing_bound * passes_bytes) if routing_bound else None),
+        collectives={k: c["wire_bytes"] for k, c in coll.items()},
+        temp_bytes=memory["temp"],
+        argument_bytes=memory["argument"],
+        output_bytes=memory["output"],
+        rounds=rounds,
+        dropped=dropped,
+        **({"loop_counted_once": True} if approx else {}),
+      )
+      if stored and entry.programs is None:  # the layer's own parameters
+        row.update(
+          param_bytes=stored["bytes"],
+          param_elems=stored["elems"],
+          expert_bytes=stored["expert_bytes"],
+        )
+        if s.get("model_layers"):
+          row["model_state_bytes"] = model_state_bytes(stored, s["model_layers"])
+      if tpu_topology:
+        from bench import hbm
+
+        row.update(
+          tpu.estimates(
+            compiled, busiest, wire, tpu_topology, hbm.executed_bytes(compiled, busiest_trips)
+          )
+        )
+        if a.hbm_table:
+          row["hbm_table"] = hbm.table(compiled, busiest_trips, top=a.hbm_table)
+        bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
+      else:
+        timed.append((compiled, args, row))
+      case_rows.append(row)
+
+
 def param_bytes(params):
-  """What one device stores of `params` (arrays or ShapeDtypeStructs with shardings):
-  {"bytes", "elems"}, summed over the leaves' shard shapes."""
+  """What one device stores of `params` (arrays or ShapeDtypeStructs with shardings, an
+  `ms.MoEParams`), summed over the leaves' shard shapes: {"bytes", "elems", "expert_bytes",
+  "frozen_bytes", "frozen_elems"}.
+
+  expert_bytes: the routed experts' matrices as held (values and scales when quantized);
+  frozen_*: the quantized ones (`ms.QuantizedArray`), which get no gradient.
+  """
   import jax
   import numpy as np
 
-  out = {"bytes": 0, "elems": 0}
-  for leaf in jax.tree.leaves(params):
-    n = int(np.prod(leaf.sharding.shard_shape(leaf.shape)))
-    out["bytes"] += n * np.dtype(leaf.dtype).itemsize
-    out["elems"] += n
+  import moe_shard as ms
+
+  def held(a):  # (bytes, elements) of one device's shard of an array
+    n = int(np.prod(a.sharding.shard_shape(a.shape)))
+    return n * np.dtype(a.dtype).itemsize, n
+
+  out = dict.fromkeys(("bytes", "elems", "expert_bytes", "frozen_bytes", "frozen_elems"), 0)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=ms.quant.is_quantized):
+    frozen = ms.quant.is_quantized(leaf)
+    for a in leaf.arrays() if frozen else (leaf,):
+      b, n = held(a)
+      out["bytes"] += b
+      out["elems"] += n
+      if frozen:
+        out["frozen_bytes"] += b
+        out["frozen_elems"] += n
+      # The routed experts' matrices: rank 3 (their biases are [E, out]).
+      if jax.tree_util.keystr(path).startswith(".experts") and (frozen or leaf.ndim == 3):
+        out["expert_bytes"] += b
   return out
 
 
 def model_state_bytes(stored, layers):
-  """Per device, a model of `layers` such layers: {"layers", "weights", "grads", "adam",
-  "total"}, in bytes but the first.
+  """Per device, a model of `layers` such layers: {"layers", "weights", "experts", "grads",
+  "adam", "total"}, in bytes but the first.
 
-  Weights as stored (`param_bytes`), gradients in the weights' dtypes, Adam's two moments in
-  float32 (8 bytes per parameter); activations not included.
+  Weights as stored (`param_bytes`), of which "experts" (where `stored` has
+  "expert_bytes") are the routed experts' matrices (values and scales when quantized); gradients in the weights' dtypes and Adam's two
+  moments in float32 (8 bytes per parameter) of the trainable leaves only: quantized
+  matrices are frozen. Activations not included.
   """
   w = stored["bytes"] * layers
-  out = {"layers": layers, "weights": w, "grads": w, "adam": 8 * stored["elems"] * layers}
+  frozen_b, frozen_n = stored.get("frozen_bytes", 0), stored.get("frozen_elems", 0)
+  out = {
+    "layers": layers,
+    "weights": w,
+    **({"experts": stored["expert_bytes"] * layers} if "expert_bytes" in stored else {}),
+    "grads": (stored["bytes"] - frozen_b) * layers,
+    "adam": 8 * (stored["elems"] - frozen_n) * layers,
+  }
   out["total"] = out["weights"] + out["grads"] + out["adam"]
   return out
 
@@ -397,14 +462,17 @@ def _errors(case, rows, timed, kept):
   import jax
   import numpy as np
 
+  import moe_shard as ms
   from bench import reference
 
   if jax.process_count() > 1:
     return  # the outputs are not all on this process
+  # Quantized matrices as the float values they stand for: the reference of the
+  # dequantized weights (`ms.dequantize_experts`), which the layer computes with.
   host = [
-    np.asarray(jax.device_get(v))
+    np.asarray(jax.device_get(v.dequantize() if ms.quant.is_quantized(v) else v))
     if not hasattr(v, "router_DE")
-    else jax.tree.map(lambda a: np.asarray(jax.device_get(a)), v)
+    else jax.tree.map(lambda a: np.asarray(jax.device_get(a)), ms.dequantize_experts(v))
     for v in case.args
   ]
   refs = {}

@@ -759,3 +759,92 @@ def test_reuse_freed_memory_keeps_a_large_block_in_the_heap_until_released():
     0,
   )
   assert out["reuse"][2] >= 64 << 20 and out["reuse"][3] < 64 << 20
+
+
+def test_quantized_rows_carry_their_format_and_match_the_dequantized_reference(tmp_path, capsys):
+  """--weights-format: every row names its format; the float-only rows (dense_limit) run for
+  the float weights only; the quantized kernel and layer rows compute with the dequantized
+  values (`ms.dequantize_experts`), which the NumPy reference is given."""
+  stem = str(tmp_path / "q")
+  argv = ["-T", "256", "-D", "64", "-F", "64", "-E", "8", "--repeats", "1", "--no-progress"]
+  argv += ["--levels", "kernel,layer", "--modes", "fwd", "--impls", "auto,dense_limit"]
+  assert cli.main([*argv, "--weights-format", "bfloat16,int8,mxfp4", "--out", stem]) == 0
+  out = capsys.readouterr().out
+  rows = json.loads(pathlib.Path(stem + ".json").read_text())["rows"]
+  # bfloat16 is the float entry: float weights in the case's dtype (float32 here).
+  assert {(r["level"], r["impl"], r["weights_format"]) for r in rows} == {
+    (level, impl, fmt)
+    for level in ("kernel", "layer")
+    for impl, fmt in [("auto", "float32"), ("auto", "int8"), ("auto", "mxfp4")]
+    + [("dense_limit", "float32")]
+  }
+  for r in rows:
+    assert "error" not in r, r
+    if r["impl"] == "auto":
+      assert r["rel_err"] < 1e-5  # float32 rounding, against the dequantized weights
+  assert "| impl | weights |" in out and "dense_limit: float weights only" in out
+  header = pathlib.Path(stem + ".csv").read_text().splitlines()[0].split(",")
+  assert "weights_format" in header and "expert_bytes" in header
+
+
+def test_quantized_expert_bytes_and_model_state_by_hand(mesh8):
+  """The bytes each device holds of a layer with mxfp4 experts, counted by hand: per expert
+  matrix D*F/2 bytes of packed e2m1 codes and D/32*F one-byte exponents (0.53 bytes a
+  weight, bf16's 2), no gradient or Adam state for them (frozen)."""
+  D, F, E, L = 64, 128, 8, 3
+  size = progs.Size(T=64, D=D, F=F, K=2, dtype="bfloat16")
+  router = D * E * 4  # float32, replicated
+  bf16_experts = 3 * D * F * 2  # gate, up, down: one expert per device
+  mxfp4_experts = 2 * (D * F // 2 + D // 32 * F) + (F * D // 2 + F // 32 * D)
+  held = {}
+  for fmt in (None, "mxfp4", "int8"):
+    case = progs.make_case(
+      "layer", E, "uniform", dataclasses.replace(size, weights_format=fmt), mesh8, abstract=True
+    )
+    held[fmt] = bench_run.param_bytes(case.args[0])
+  assert held[None]["expert_bytes"] == bf16_experts and held[None]["frozen_bytes"] == 0
+  assert held["mxfp4"]["expert_bytes"] == mxfp4_experts == held["mxfp4"]["frozen_bytes"]
+  assert held["mxfp4"]["bytes"] == router + mxfp4_experts
+  assert held["mxfp4"]["expert_bytes"] / bf16_experts == pytest.approx(0.53125 / 2)
+  # int8: one byte a weight and one float32 scale per output column of each matrix.
+  assert held["int8"]["expert_bytes"] == 3 * D * F + 4 * (2 * F + D)
+  model = bench_run.model_state_bytes(held["mxfp4"], L)
+  assert model["weights"] == L * (router + mxfp4_experts)
+  assert model["experts"] == L * mxfp4_experts
+  assert model["grads"] == L * router and model["adam"] == L * 8 * D * E
+  float_model = bench_run.model_state_bytes(held[None], L)
+  assert float_model["grads"] == float_model["weights"] == L * (router + bf16_experts)
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--weights-format", "int4"], "unknown --weights-format int4"),
+    (
+      ["--weights-format", "int8", "--impls", "dense_limit,jit_gshard_einsum"],
+      "--weights-format int8 needs an impl that takes quantized matrices",
+    ),
+    (["--expert-bias", "--levels", "kernel"], "--expert-type and --expert-bias are layer"),
+  ],
+)
+def test_bad_weights_format_fails_before_the_run(argv, message, monkeypatch, capsys):
+  assert message in _usage_error_before_any_run(monkeypatch, capsys, argv)
+
+
+def test_a_block_that_does_not_divide_a_matrix_is_a_usage_error(capsys):
+  argv = [*SMALL_ARGS, "--weights-format", "fp8", "--levels", "kernel"]
+  assert cli.main(argv) == 2
+  assert (
+    "weights format 'fp8' needs the input dimension of every [16, 32] expert matrix "
+    "divisible by its block (128); got 16" in capsys.readouterr().err
+  )
+
+
+def test_weights_formats_name_the_float_entry_by_the_case_dtype():
+  assert flags.weights_formats(None, "float32") == ["float32"]
+  assert flags.weights_formats("bfloat16,int8,float32,mxfp4", "float32") == [
+    "float32",
+    "int8",
+    "mxfp4",
+  ]
+  assert not impls.BENCH_IMPLS["dense_limit"].quantized and impls.BENCH_IMPLS["auto"].quantized
