@@ -248,8 +248,9 @@ def memory_section(rows):
     + (" experts MiB |" if experts else "")
     + " arguments MiB | temp MiB |"
   )
+  split = any("experts" in r.get("model_state_bytes", {}) for r in rows)
   if layers:
-    head += " model: weights (experts) / grads / Adam GB | model total GB |"
+    head += f" model: weights{' (experts)' if split else ''} / grads / Adam GB | model total GB |"
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     line = (
@@ -281,8 +282,9 @@ def memory_section(rows):
   )
   note = (
     f"\n(per device; params: the layer's parameters as stored{held}; model: {n} such "
-    "layers, gradients in the weights' dtype, Adam's two moments in float32, none for "
-    "quantized matrices (frozen), no activations)\n"
+    "layers, gradients in the weights' dtype, Adam's two moments in float32, "
+    + ("none for quantized matrices (frozen), " if quant else "")
+    + "no activations)\n"
     if layers
     else f"\n(per device; params: the layer's parameters as stored{held})\n"
   )
