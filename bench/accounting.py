@@ -131,10 +131,13 @@ def a2a_chunks(tokens_per_device, k, num_devices, chunk_size=None):
   """(C_first, C_overflow) of the all_to_all dispatch, written out from its documented rule
   (`moe_all_to_all`): C_first = the expected (source, destination) load T_dev*K/N plus
   4 * sqrt of it, rounded up to a multiple of 8 (at least 8), C_overflow = C_first / 4
-  rounded up to a multiple of 8."""
+  rounded up to a multiple of 8; C_first at most the most a pair can carry, T_dev*K rounded
+  up to a multiple of 8, and that when N of it is at most 128 rows (`plan.DECODE_ROWS`)."""
   if chunk_size is not None:
     return (chunk_size, chunk_size) if isinstance(chunk_size, int) else tuple(chunk_size)
   first = _padded_load(math.ceil(tokens_per_device * k / num_devices))
+  most = max(8, 8 * math.ceil(tokens_per_device * k / 8))
+  first = most if num_devices * most <= 128 or first > most else first
   return first, max(8, 8 * math.ceil(first / 4 / 8))
 
 
@@ -173,15 +176,19 @@ def all_to_all(case, on_tpu=False):
   return Accounting(rounds, 0, trips)
 
 
-def ragged_capacity(tokens_per_device, k, recv_capacity=None):
+def ragged_capacity(tokens_per_device, k, num_devices, recv_capacity=None):
   """(C, C_overflow): receive-buffer rows of the ragged dispatch's round 0 and later rounds,
   written out from its documented rule (`moe_ragged_all_to_all`): C = T_dev*K plus 4 * sqrt
   of it, rounded up to a multiple of 8 (at least 8) and from 4096 up to a multiple of 512,
-  C_overflow = C / 4 rounded up to a multiple of 8."""
+  at most the most a device can receive, N*T_dev*K rounded up to a multiple of 8, and that
+  when it is at most 128 rows (`plan.DECODE_ROWS`); C_overflow = C / 4 rounded up to a
+  multiple of 8."""
   if recv_capacity is not None:
     return recv_capacity, recv_capacity
   first = _padded_load(tokens_per_device * k)
   first = first if first < 4096 else 512 * math.ceil(first / 512)
+  most = max(8, 8 * math.ceil(num_devices * tokens_per_device * k / 8))
+  first = most if most <= 128 or first > most else first
   return first, max(8, 8 * math.ceil(first / 4 / 8))
 
 
@@ -200,7 +207,7 @@ def ragged_all_to_all(case, on_tpu=False):
   both exchanges transposed.
   """
   n_dev, N, M, L, T_dev, load = _layout(case)
-  first, overflow = ragged_capacity(T_dev, case.size.K)
+  first, overflow = ragged_capacity(T_dev, case.size.K, N)
   recv = load.reshape(N, M, N, L).transpose(1, 2, 0, 3)  # [m, e_dst, e_src, l]
   rounds = a2a_rounds(int(recv.sum(axis=(2, 3)).max()), (first, overflow))
   # Position of each (source, expert) queue in its receiver's expert-major layout.

@@ -60,7 +60,8 @@ class NotRun(Exception):
 
 def _auto_accounting(case, on_tpu=False):
   """The accounting of the dispatch "auto" resolves to on the case's mesh and platform."""
-  resolved = ms.choose_impl(case.cfg, case.mesh)
+  tokens = accounting._layout(case)[4]  # per device, as the layer passes them
+  resolved = ms.choose_impl(case.cfg, case.mesh, tokens=tokens)
   return _BY_DISPATCH.get(resolved, accounting.unknown)(case, on_tpu)
 
 
@@ -83,7 +84,8 @@ _BY_DISPATCH = {
 
 BENCH_IMPLS = {
   # The library's default: what `MoEConfig(impl="auto")` picks on the case's mesh
-  # (`ms.choose_impl`; one device: "ragged_dot", TPU and GPU meshes: "ragged_all_to_all").
+  # (`ms.choose_impl`; one device: "ragged_dot", at most 64 tokens per device: "all_to_all",
+  # else TPU and GPU meshes: "ragged_all_to_all").
   "auto": Impl("auto", _auto_accounting),
   "all_to_all": Impl("all_to_all", accounting.all_to_all),
   # On CPU (no ragged-all-to-all in XLA) this runs the emulation: padded all_to_alls.

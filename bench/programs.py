@@ -354,7 +354,9 @@ def _dispatch_programs(case, impl):
   cfg = dataclasses.replace(case.cfg, impl=dispatch)
   if case.level == "kernel":
     # "auto" as the layer resolves it on this mesh (`ms.choose_impl`); other names as given.
-    fn = ms.DISPATCHES[ms.choose_impl(cfg, mesh)].fn if isinstance(dispatch, str) else dispatch
+    tokens = -(-case.size.T // mesh.size)  # per device, as the layer passes them
+    resolved = ms.choose_impl(cfg, mesh, tokens=tokens) if isinstance(dispatch, str) else None
+    fn = dispatch if resolved is None else ms.DISPATCHES[resolved].fn
 
     def kernel(x, w, e, g):
       return fn(x, ms.Linear(w_EDF=w), e, g, mesh=mesh, cfg=cfg)[0]

@@ -26,7 +26,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float
 
-from moe_shard import local, parallel
+from moe_shard import _checks, local, parallel
 from moe_shard.sharding import auto, axis_size
 
 if TYPE_CHECKING:  # config.py imports this module
@@ -122,27 +122,72 @@ DISPATCHES: dict[str, Dispatch] = {
 }
 
 
-def choose_impl(cfg: MoEConfig, mesh: Mesh | AbstractMesh | None = None) -> str | DispatchFn:
-  """Resolves `cfg.impl` for a mesh.
+# At most this many tokens per device, "auto" takes "all_to_all" on every platform (see
+# `auto_impl`): the layer is bound by reading the experts' weights there, and the fixed-size
+# exchange needs fewer collectives than the ragged one.
+DECODE_TOKENS = 64
+
+
+def auto_impl(platform: str, expert_devices: int, tokens: int | None = None) -> str:
+  """The rule of `impl="auto"`: the dispatch for a platform, expert axis and token count.
+
+  - One device on the expert axis (or no mesh): "ragged_dot".
+  - At most `DECODE_TOKENS` tokens per device (decode): "all_to_all". Few tokens per chip
+    make the layer a read of the experts' weights; all_to_all's padded slots cost no time
+    there, its exchange is one `lax.all_to_all` each way after one `pmax`, where the ragged
+    dispatch first exchanges its queue counts and offsets, and its receive buffer holds
+    every routing in one round at up to `plan.DECODE_ROWS` rows.
+  - Else "ragged_all_to_all" where XLA has the ragged-all-to-all collective (TPU, CUDA and
+    ROCm GPUs: `parallel.RAGGED_PLATFORMS`), exact in bytes and padding; "all_to_all"
+    elsewhere (CPU).
+
+  Args:
+    platform: the mesh's devices' platform in `lax.platform_dependent`'s names ("tpu",
+      "cuda", "rocm", "cpu", ...).
+    expert_devices: N, devices on the expert axis.
+    tokens: tokens per device (T over the mesh's size), or None (default: not known; the
+      rule for many tokens).
+
+  Returns:
+    A name of `DISPATCHES`.
+  """
+  if expert_devices <= 1:
+    return "ragged_dot"
+  if tokens is not None and tokens <= DECODE_TOKENS:
+    return "all_to_all"
+  return "ragged_all_to_all" if platform in parallel.RAGGED_PLATFORMS else "all_to_all"
+
+
+def choose_impl(
+  cfg: MoEConfig, mesh: Mesh | AbstractMesh | None = None, *, tokens: int | None = None
+) -> str | DispatchFn:
+  """Resolves `cfg.impl` for a mesh and a number of tokens per device.
 
   Args:
     cfg: `MoEConfig`.
     mesh: None (default) or a `jax.sharding.Mesh`.
+    tokens: tokens per device of the call, T / mesh size rounded up (`moe_layer` passes
+      it); None (default): not known, the rule for many tokens.
 
   Returns:
     `cfg.impl` unless it is "auto" (a name of `DISPATCHES`, or the user's function); for
-    "auto", when the mesh's `cfg.expert_axis` has more than one device,
-    "ragged_all_to_all" if the mesh's devices are TPUs or GPUs (XLA has ragged-all-to-all
-    there) and "all_to_all" otherwise (CPU); "ragged_dot" without such a mesh. The
-    platform is the mesh's devices' (`jax.default_backend()` says "cpu" on a CPU host
+    "auto", `auto_impl` of the mesh's platform, the size of its `cfg.expert_axis` and
+    `tokens`: "ragged_dot" without an expert axis of several devices; "all_to_all" at up
+    to `DECODE_TOKENS` tokens per device; else "ragged_all_to_all" if the mesh's devices
+    are TPUs or GPUs (XLA has ragged-all-to-all there) and "all_to_all" otherwise (CPU).
+    The platform is the mesh's devices' (`jax.default_backend()` says "cpu" on a CPU host
     compiling ahead of time for TPU devices).
+
+  Raises:
+    TypeError, ValueError: `tokens` not None or an int >= 0.
   """
+  if tokens is not None:
+    tokens = _checks.int_field("choose_impl", "tokens", tokens, 0)
   if cfg.impl != "auto":
     return cfg.impl
-  if mesh is not None and axis_size(mesh, cfg.expert_axis) > 1:
-    ragged = _platform(mesh) in parallel.RAGGED_PLATFORMS
-    return "ragged_all_to_all" if ragged else "all_to_all"
-  return "ragged_dot"
+  if mesh is None:
+    return "ragged_dot"
+  return auto_impl(_platform(mesh), axis_size(mesh, cfg.expert_axis), tokens)
 
 
 def _platform(mesh):

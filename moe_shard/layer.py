@@ -211,8 +211,9 @@ def moe_layer(
       `AbstractMesh`) with `cfg.expert_axis`, whose size must divide E. None (default): the
       mesh in scope (`jax.set_mesh(mesh)`) when it has the expert axis, else no mesh.
       Required by the expert-parallel implementations; when the expert axis has more than
-      one device "auto" picks "ragged_all_to_all" on TPU and GPU devices and "all_to_all"
-      elsewhere (`choose_impl`). The local implementations ("masked_scan",
+      one device "auto" picks "all_to_all" at up to 64 tokens per device, else
+      "ragged_all_to_all" on TPU and GPU devices and "all_to_all" elsewhere
+      (`choose_impl`). The local implementations ("masked_scan",
       "ragged_dot") do not split experts: XLA shards them as it likes.
 
   Returns:
@@ -250,7 +251,8 @@ def moe_layer(
   _check_params(fn, params, cfg)
   mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
   check_split_axes(fn, cfg, mesh)
-  impl = choose_impl(cfg, mesh)
+  T = x_BSD.shape[0] * x_BSD.shape[1]
+  impl = choose_impl(cfg, mesh, tokens=None if mesh is None else -(-T // mesh.size))
   dispatch = get_dispatch(impl)
   if mesh is None and dispatch.needs_mesh:
     raise ValueError(

@@ -16,6 +16,13 @@ import jax.numpy as jnp
 from moe_shard import _checks, local
 from moe_shard.kernels.tpu import MAX_ROW_TILE
 
+# Receive buffers of at most this many rows hold the most that can arrive, whatever the
+# routing (`default_chunks`, `default_capacity`): one round, so the weights are read once.
+# A buffer's matmul does 2 * rows FLOPs per weight it reads (2 bytes in bf16), so it costs
+# less than reading the weight while rows stay under the chip's FLOPs per HBM byte: about
+# 240 on TPU v5e (197 TFLOP/s over 819 GB/s) and 560 on v6e, the peaks `bench/tpu.py` cites.
+DECODE_ROWS = 128
+
 
 @dataclasses.dataclass(frozen=True)
 class Chunks:
@@ -54,6 +61,12 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
   bytes whatever its slot count, and runs every grouped matmul again: a round saved is
   worth more than its slots.)
 
+  Round 0 never takes more than the most a pair can carry, T*K rounded up to a multiple of
+  8, and takes exactly that when the receive buffer it gives, N times it, is at most
+  `DECODE_ROWS`: at decode sizes every routing then runs one round, so the experts'
+  weights are read once (each round reads them again), for a buffer whose matmul costs
+  less than that read (T=8, K=2, N=8: 16 slots, 128 rows).
+
   Args:
     tokens: T tokens per device (static).
     k: K slots per token.
@@ -69,7 +82,10 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
   """
   chunk_size = _checks.chunk_size_field("moe_all_to_all", chunk_size)
   if chunk_size is None:
+    most = max(8, 8 * math.ceil(tokens * k / 8))  # every item of a source to one device
     first = padded_load(math.ceil(tokens * k / num_devices))
+    if num_devices * most <= DECODE_ROWS or first > most:
+      first = most
     return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
   return Chunks(*chunk_size)
 
@@ -173,7 +189,7 @@ def round_counts(count_N, chunks, rounds):
 # buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
 
 
-def default_capacity(tokens, k, recv_capacity=None):
+def default_capacity(tokens, k, recv_capacity=None, num_devices=None):
   """Rows of the ragged dispatch's receive buffers per device: round 0's, then the others'.
 
   Args:
@@ -185,7 +201,12 @@ def default_capacity(tokens, k, recv_capacity=None):
       1.0625x), the row tile of TPU's grouped matmul, which would otherwise copy the buffer
       into a padded one on every call; the overflow rounds a quarter of that, rounded up to
       a multiple of 8 (so a round that never runs under uniform routing reserves little
-      memory). An int C >= 1: C rows in every round.
+      memory). With `num_devices`, round 0 never takes more than the most a device can
+      receive, N*T*K rounded up to a multiple of 8, and takes exactly that when it is at
+      most `DECODE_ROWS`: at decode sizes every routing then runs one round, reading the
+      weights once (T=8, K=2, N=8: 128 rows, where the margin gives 32 and skewed routings
+      up to 13 rounds of 8). An int C >= 1: C rows in every round.
+    num_devices: N devices on the expert axis (default None: no such bound).
 
   Returns:
     `Chunks(first, overflow)`: the rows of round 0 and of each later round.
@@ -199,6 +220,10 @@ def default_capacity(tokens, k, recv_capacity=None):
   first = padded_load(tokens * k)
   if first >= 4096:
     first = MAX_ROW_TILE * math.ceil(first / MAX_ROW_TILE)
+  if num_devices is not None:
+    most = max(8, 8 * math.ceil(num_devices * tokens * k / 8))  # every source sends all here
+    if most <= DECODE_ROWS or first > most:
+      first = most
   return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
 
 

@@ -39,10 +39,18 @@ from moe_shard.plan import (
     (64, 2, 2, Chunks(96, 24)),
     # mean = ceil(100 / 3) = 34 -> 34 + 24 = 58 -> 64; overflow = 64 / 4 = 16.
     (100, 1, 3, Chunks(64, 16)),
-    # One device on the expert axis: mean = 40 * 2 = 80 -> 80 + 36 = 116 -> 120; 30 -> 32.
-    (40, 2, 1, Chunks(120, 32)),
-    # mean = 20 -> 20 + 18 = 38 -> 40; overflow = 40 / 4 = 10 -> 16.
-    (10, 2, 1, Chunks(40, 16)),
+    # One device on the expert axis: mean = 40 * 2 = 80 -> 80 + 36 = 116 -> 120, more
+    # than the 80 a pair can carry: 80, and N * 80 <= 128; overflow 80 / 4 = 20 -> 24.
+    (40, 2, 1, Chunks(80, 24)),
+    # mean = 20 -> 20 + 18 = 38 -> 40 > the most, 20 -> 24; overflow 24 / 4 = 6 -> 8.
+    (10, 2, 1, Chunks(24, 8)),
+    # Decode, 8 tokens per device, K=2, N=8: the margin gives mean 2 -> 2 + 6 -> 8, but the
+    # most a pair carries is 16 and 8 * 16 = 128 rows <= DECODE_ROWS: 16, one round always.
+    (8, 2, 8, Chunks(16, 8)),
+    # 64 tokens: 8 * 128 rows > 128: the margin, mean 16 -> 16 + 16 = 32; overflow 8.
+    (64, 2, 8, Chunks(32, 8)),
+    # K=8 (Qwen3, DeepSeek-V3), 8 tokens: mean 8 -> 8 + 12 = 20 -> 24 < the most, 64.
+    (8, 8, 8, Chunks(24, 8)),
     # The bench's CPU layer: mean = 1024 * 2 / 8 = 256 -> 256 + 64 = 320; overflow 80.
     (1024, 2, 8, Chunks(320, 80)),
     # The bench's TPU layer: mean = 4096 * 2 / 8 = 1024 -> 1024 + 128 = 1152; overflow 288.
@@ -329,6 +337,29 @@ def test_round_counts_rejects(count, rounds, err, match):
 )
 def test_default_capacity(tokens, k, capacity, want):
   assert default_capacity(tokens, k, capacity) == want
+
+
+@pytest.mark.parametrize(
+  "tokens, k, n, want",
+  [
+    # Decode, 8 tokens per device, K=2, N=8: the margin gives 16 + 16 = 32 rows, the most
+    # a device can receive is 8 * 8 * 2 = 128 <= DECODE_ROWS: 128, one round always.
+    (8, 2, 8, Chunks(128, 32)),
+    # 64 tokens: the most is 1024 > 128: the margin, 128 + 46 = 174 -> 176; overflow 48.
+    (64, 2, 8, Chunks(176, 48)),
+    # 256 tokens (Mixtral at 256 per chip): 512 + 91 = 603 -> 608; overflow 152.
+    (256, 2, 8, Chunks(608, 152)),
+    # K=8, 8 tokens, N=8: the most is 512 > 128: 64 + 32 = 96; overflow 24.
+    (8, 8, 8, Chunks(96, 24)),
+    # One device: the most it receives is its own 5 * 2 = 10 -> 16 rows (the margin: 24).
+    (5, 2, 1, Chunks(16, 8)),
+    # Training sizes unchanged: 4096 * 2 -> 8704 (whole 512-row tiles).
+    (4096, 2, 8, Chunks(8704, 2176)),
+  ],
+)
+def test_default_capacity_bounded_by_devices(tokens, k, n, want):
+  assert default_capacity(tokens, k, None, num_devices=n) == want
+  assert default_capacity(tokens, k, 7, num_devices=n) == Chunks(7, 7)  # explicit wins
 
 
 @pytest.mark.parametrize(

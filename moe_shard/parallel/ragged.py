@@ -26,7 +26,14 @@ from moe_shard.parallel.common import (
 )
 from moe_shard.parallel.ragged_exchange import ragged_exchange
 from moe_shard.quant import merge, split_frozen, zero_cotangent
-from moe_shard.sharding import EXPERT, fori_while, resolve_mesh, vary_over, zeros_varying
+from moe_shard.sharding import (
+  EXPERT,
+  axis_size,
+  fori_while,
+  resolve_mesh,
+  vary_over,
+  zeros_varying,
+)
 
 # --------------------------------------------------------------------------- ragged_all_to_all
 
@@ -113,8 +120,10 @@ def moe_ragged_all_to_all(
       round 0 takes C = the expected load T_dev*K plus 4 * sqrt of it (4 standard
       deviations of uniform random routing), rounded up to a multiple of 8 (from 4096
       rows, of 512: 1.0625x at T_dev*K = 8192), so uniform routing takes one round, and
-      later rounds C_overflow = C/4 rounded up to a multiple of 8
-      (`plan.default_capacity`); an int C >= 1: C in every round.
+      later rounds C_overflow = C/4 rounded up to a multiple of 8; C at most N*T_dev*K,
+      the most a device can receive, and that when it is at most `plan.DECODE_ROWS` rows
+      (one round whatever the routing) (`plan.default_capacity`); an int C >= 1: C in
+      every round.
     return_stats: also return a dict of dispatch statistics (default False).
     gmm_impl: `grouped_matmul` implementation (default "auto").
     expert_tensor_axis: None (default) or a mesh axis splitting every F (hidden) dimension
@@ -157,7 +166,9 @@ def moe_ragged_all_to_all(
     return out
   y_TF, stats = out
   T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
-  rows = plan_lib.default_capacity(-(-T // mesh.size), K, recv_capacity)
+  rows = plan_lib.default_capacity(
+    -(-T // mesh.size), K, recv_capacity, axis_size(mesh, expert_axis)
+  )
   return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.overflow)
 
 
@@ -191,7 +202,7 @@ def _ragged_jit(
     "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis, tensor_axis, fsdp_axis
   )
   K = experts_TK.shape[1]
-  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, recv_capacity)
+  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, recv_capacity, lay.n)
   body = functools.partial(_ragged_body, lay=lay, rows=rows, gmm_impl=gmm_impl)
   tok = lay.token_spec
   stats_specs = dict(
