@@ -24,6 +24,12 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
     and bytes sent over the chip's peaks; HBM GB: XLA's "bytes accessed" as XLA counts it
     (loop bodies once) / with loop bodies times their trip counts (`bench/hbm.py`), the
     second being the one the roofline uses.
+  bound ms (roofline/bound or time/bound): `bench/bound.py`, per device, the larger of the
+    bytes read and written at the least (the parameters as stored, the routed experts' only
+    for those the routing is expected to touch, and the activations) over HBM bandwidth and
+    the routed FLOPs over peak, where the chip's peaks are cited (TPU); rows elsewhere carry
+    bound_bytes and bound_flops only. --preset NAME: a published model's layer
+    (`bench/models.py`).
   rounds: all_to_all dispatch rounds; dropped: (token, slot) items the capacity-factor
     baseline drops (the others are dropless).
   rel err (max abs): the forward against a NumPy reference of the same inputs and host
@@ -78,12 +84,18 @@ def _main(argv):
     except ImportError:
       raise UsageError('--plot needs matplotlib: pip install -e ".[bench]"') from None
   if a.from_json:
-    try:
-      with open(a.from_json) as f:
-        saved = json.load(f)
-      rows = saved["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-      raise UsageError(f"--from-json {a.from_json}: not a results file ({err!r})") from None
+    files = []
+    for path in a.from_json.split(","):
+      try:
+        with open(path) as f:
+          files.append(json.load(f))
+        files[-1]["rows"]
+      except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"--from-json {path}: not a results file ({err!r})") from None
+    saved = files[0]
+    rows = [r for f in files for r in f["rows"]]
+    if len(files) > 1:  # merged: every file's command
+      saved["argv"] = [w for f in files for w in report.argvs(f["argv"])]
     print(report.headline(rows))
     print(report.table(rows))
     a.json = None  # the file itself stays as it was
@@ -130,7 +142,7 @@ def _main(argv):
       else (f"{len(devices)} {jax.default_backend()} devices, {jax.process_count()} process(es)")
     )
     print(
-      f"moe_shard benchmark ({s['preset']}): T={s['tokens']} D={s['d_model']} "
+      f"moe_shard benchmark ({s.get('model') or s['preset']}): T={s['tokens']} D={s['d_model']} "
       f"F={s['d_ff']} K={s['top_k']} E={s['experts']} {s['dtype']} on {where}, mesh "
       f"{mesh_label(mesh)}" + (f", fsdp over {a.fsdp}" if a.fsdp else ""),
       flush=True,

@@ -375,7 +375,9 @@ def _section(stem, title):
       prog, body = "bench.gmm", _gmm(data)
     else:
       prog, body = "bench.gpu", _gpu(data)
-    out += [f"`{_command(data.get('argv', []), prog)}`", _machine(info, data["rows"]), *body]
+    # A merged file (`--from-json A,B`) holds several commands.
+    lines = "\n\n".join(f"`{_command(w, prog)}`" for w in report.argvs(data.get("argv", [])))
+    out += [lines, _machine(info, data["rows"]), *body]
     out.append(_files(stem))
   else:
     md = (RESULTS / f"{stem}.md").read_text().splitlines()

@@ -9,7 +9,7 @@ import argparse
 import math
 import os
 
-from bench import LEVELS, MODES, ROUTINGS
+from bench import LEVELS, MODES, ROUTINGS, models
 
 PRESETS = {
   # jit_ragged_dot is left out of the default (XLA replicates its work on every device, so
@@ -132,6 +132,12 @@ def parser():
     "groups of which each token keeps 4, scaling 2.5 (T=2048, D=256 on CPU; "
     "with --tpu: T=32768, D=2048, d_ff=1024)",
   )
+  g.add_argument(
+    "--preset",
+    choices=tuple(models.CONFIGS),
+    help="a published model's MoE block (bench/models.py): E, K, D, F, the router, the "
+    "experts' FFN and biases, shared experts; layer level. Flags given override it",
+  )
   p.add_argument(
     "--tpu",
     metavar="TOPOLOGY",
@@ -173,7 +179,6 @@ def parser():
   p.add_argument(
     "--shared-experts",
     type=int,
-    default=0,
     metavar="N",
     help="layer level: N shared SwiGLU experts of width F on every token "
     "(MoEConfig.num_shared_experts; default 0)",
@@ -242,9 +247,9 @@ def parser():
   p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
   p.add_argument(
     "--from-json",
-    metavar="PATH",
+    metavar="PATH[,PATH...]",
     help="measure nothing: print (and with --out/--csv/--plot, write) the tables "
-    "and plot of a results file written before",
+    "and plot of a results file written before (several: their rows and commands in one)",
   )
   distributed.add_arguments(p)
   return p
@@ -282,6 +287,8 @@ def settings(a):
   s = dict(PRESETS[preset], preset=preset)
   if a.deepseek and a.tpu:
     s.update(tokens=32768, d_model=2048, d_ff=1024, repeats=0)
+  if a.preset:
+    s.update(models.settings(a.preset), model=a.preset, levels="layer")
   s.setdefault("router", {})
   for key in (
     "tokens",
@@ -344,11 +351,11 @@ def settings(a):
       "a tensor axis or --fsdp splits the experts' SwiGLU weights: --levels layer only "
       "(the kernel level runs one [D, F] matrix per expert)"
     )
-  if a.shared_experts < 0:
+  if a.shared_experts is not None and a.shared_experts < 0:
     raise UsageError(f"--shared-experts must be >= 0 (got {a.shared_experts})")
-  if a.shared_experts and "kernel" in s["levels"]:
+  s["shared_experts"] = s.get("shared_experts", 0) if a.shared_experts is None else a.shared_experts
+  if s["shared_experts"] and "kernel" in s["levels"]:
     raise UsageError("--shared-experts is a layer setting: --levels layer only")
-  s["shared_experts"] = a.shared_experts
   if a.model_layers < 0:
     raise UsageError(f"--model-layers must be >= 0 (got {a.model_layers})")
   s["model_layers"] = a.model_layers
@@ -360,13 +367,13 @@ def settings(a):
       f"--weights-format {','.join(quantized)} needs an impl that takes quantized matrices "
       f"(from {', '.join(takes)}; got --impls {','.join(s['impls'])})"
     )
-  if (a.expert_type or a.expert_bias) and "kernel" in s["levels"]:
+  s["expert_type"] = a.expert_type or s.get("expert_type", "swiglu")
+  s["expert_bias"] = a.expert_bias or s.get("expert_bias", False)
+  if (s["expert_type"] != "swiglu" or s["expert_bias"]) and "kernel" in s["levels"]:
     raise UsageError(
       "--expert-type and --expert-bias are layer settings: --levels layer only "
       "(the kernel level runs one [D, F] matrix per expert)"
     )
-  s["expert_type"] = a.expert_type or "swiglu"
-  s["expert_bias"] = a.expert_bias
   return s
 
 

@@ -22,6 +22,14 @@ for the body:
 
 (only ops in loop bodies have runs != 1).
 
+Bytes in VMEM (`vmem`, and `executed_bytes`'s "no_prefetch"). XLA's memory-space assignment
+prefetches whole operands into VMEM (`copy-start`/`copy-done` whose result is in memory
+space `S(1)`); its "bytes accessed" counts such a copy as bytes read and written, and the op
+that then reads the copy as reading HBM again. At decode, where one weight matrix is the
+step's traffic, that counts the prefetched matrix up to three times. Each op's `vmem` is the
+part of its bytes that is VMEM's: what it writes to, or reads from, a value of memory space
+`S(1)`; the second count is XLA's executed bytes less every op's `vmem` times its runs.
+
     python -m bench --tpu v5e:2x4 --hbm-table 15 ...
 """
 
@@ -32,6 +40,7 @@ import re
 
 from bench import measure
 
+_VMEM_RE = re.compile(r"S\(1\)")  # memory space 1 (VMEM) in a layout, e.g. {1,0:T(8,128)S(1)}
 _DECLARED_RE = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"')
 
 _FREE = {
@@ -95,7 +104,7 @@ def op_bytes(compiled_or_text, trip_counts=None):
 
   Each: scope (named-scope path), opcode, name, shape (result type), runs (executions; 0
   for the ops of a loop that never runs), read and written (bytes per run), total (bytes
-  over the run).
+  over the run), vmem (of read + written, the bytes of values in VMEM, per run).
   """
   mod = measure._module(compiled_or_text)
   runs = mod.executions(trip_counts, default_trip_count=1)
@@ -110,14 +119,19 @@ def op_bytes(compiled_or_text, trip_counts=None):
       if ins.opcode.endswith("-start"):
         continue  # an async op's data moves at its -done (its result tuple holds the source)
       declared = _DECLARED_RE.search(ins.attrs) if ins.opcode == "custom-call" else None
+      vmem = 0.0
       if ins.opcode in ("copy-done", "slice-done"):  # the slice or copy: read, then written
         read = written = measure.shape_bytes(ins.type)
+        vmem = written if _VMEM_RE.search(ins.type) else 0.0  # a prefetch into VMEM
       elif declared and 'custom_call_target="tpu_custom_call"' in ins.attrs:
         written = measure.shape_bytes(ins.type)
         read = max(float(declared.group(1)) - written, 0.0)
       else:
         read = sum(measure.shape_bytes(types.get(o, "")) for o in ins.operands)
         written = measure.shape_bytes(ins.type)
+        vmem = sum(
+          measure.shape_bytes(types[o]) for o in ins.operands if _VMEM_RE.search(types.get(o, ""))
+        ) + (written if _VMEM_RE.search(ins.type) else 0.0)
       rows.append(
         dict(
           scope=_scope(ins.attrs),
@@ -128,6 +142,7 @@ def op_bytes(compiled_or_text, trip_counts=None):
           read=read,
           written=written,
           total=n * (read + written),
+          vmem=vmem,
         )
       )
   return sorted(rows, key=lambda r: -r["total"])
@@ -141,13 +156,16 @@ def executed_bytes(compiled, trip_counts=None, rows=None):
   `rows`: `op_bytes(compiled, trip_counts)` when the caller has it already.
 
   Returns:
-    dict: "executed" (that), "xla" (XLA's figure, bodies once).
+    dict: "executed" (that), "xla" (XLA's figure, bodies once), "no_prefetch" (executed
+    less the bytes of values in VMEM: the prefetches' writes and the reads of them).
   """
   xla = measure.bytes_accessed(compiled)
   rows = op_bytes(compiled, trip_counts) if rows is None else rows
+  executed = xla + sum((r["read"] + r["written"]) * (r["runs"] - 1) for r in rows)
   return {
-    "executed": xla + sum((r["read"] + r["written"]) * (r["runs"] - 1) for r in rows),
+    "executed": executed,
     "xla": xla,
+    "no_prefetch": executed - sum(r["vmem"] * r["runs"] for r in rows),
   }
 
 

@@ -64,6 +64,9 @@ class Size:
   num_groups: int = 1
   top_k_groups: int | None = None
   routed_scaling: float = 1.0
+  normalize_top_k: bool = True
+  router_logit_bias: bool = False  # a trained router bias (gpt-oss)
+  bias_balancing: bool = False  # a selection-only router bias (DeepSeek-V3)
 
 
 @dataclasses.dataclass
@@ -151,6 +154,9 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     num_groups=size.num_groups,
     top_k_groups=size.top_k_groups,
     routed_scaling=size.routed_scaling,
+    normalize_top_k=size.normalize_top_k,
+    router_logit_bias=size.router_logit_bias,
+    bias_balancing=size.bias_balancing,
     expert_tensor_axis=size.expert_tensor_axis,
     expert_fsdp_axis=size.expert_fsdp_axis,
     num_shared_experts=size.num_shared_experts,

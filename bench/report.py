@@ -62,14 +62,23 @@ def table(rows):
     )
   if quant:
     head = head.replace("| impl |", "| impl | weights |", 1)
+  models = any("model" in r for r in rows)
+  if models:
+    head = head.replace("| level |", "| model | level |", 1)
+  bounded = any("bound_s" in r for r in rows)
+  if bounded:  # the time over the bound: the roofline's on TPU, the median elsewhere
+    over = "roofline/bound, less VMEM prefetches" if tpu else "time/bound"
+    head = head.replace(" | eff. |", f" | bound ms ({over}) | eff. |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     common = f"| {r['level']} | {r['T']} | {r['E']} | {r['routing']} | {r['mode']} | {r['impl']} "
+    if models:
+      common = f"| {r.get('model', '-')} " + common
     if quant:
       common += f"| {weights(r)} "
     if "error" in r:
       why = r["error"] if r["error"].startswith("not run") else f"did not compile: {r['error']}"
-      out.append(common + f"| {why} |" + " |" * (head.count("|") - 8 - quant))
+      out.append(common + f"| {why} |" + " |" * (head.count("|") - 8 - quant - models))
       continue
     bound = "/".join(
       f"{r[k]:.2f}" if r.get(k) is not None else "-"
@@ -81,7 +90,8 @@ def table(rows):
     flops = f"{r['flops_ratio']:.2f}{star}" if "flops_ratio" in r else "-"
     wire = f"{r['wire_bytes'] / 2**20:.2f}{star}" if "wire_bytes" in r else "-"
     temp = f"{r['temp_bytes'] / 2**20:.1f}" if "temp_bytes" in r else "-"
-    tail = (
+    tail = f"| {_over(r, r.get('bound_s'))} " if bounded else ""
+    tail += (
       f"| {eff} | {flops} | {wire} | {bound} | {temp} | "
       f"{r['rounds'] if r['rounds'] else '-'} | {r['dropped']} "
     )
@@ -119,6 +129,23 @@ def table(rows):
       "these FLOPs and bytes are a lower bound."
     )
   return "\n".join(out) + "\n" + float_only_note(rows)
+
+
+def seconds_of(row):
+  """A row's time: the roofline estimate of a TPU compile, else the median wall time."""
+  return row.get("roofline_s") if "topology" in row else row.get("time_s", {}).get("median")
+
+
+def _over(row, bound):
+  """ "bound ms (time / bound)", or "-" without a bound; a TPU row's time is its roofline,
+  and the roofline less VMEM prefetches follows where the row has it."""
+  t = seconds_of(row)
+  if bound is None:
+    return "-"
+  if t is None or bound <= 0:
+    return _ms(bound)
+  less = row.get("roofline_no_prefetch_s")
+  return f"{_ms(bound)} ({t / bound:.2f}" + (f", {less / bound:.2f})" if less else ")")
 
 
 def headline(rows):
@@ -187,6 +214,22 @@ def _named(row):
   return row["impl"] + (f" (drops {row['dropped']})" if row.get("dropped") else "")
 
 
+def argvs(argv):
+  """A results file's commands as a list of argv lists (one, unless merged)."""
+  return argv if argv and isinstance(argv[0], list) else [argv]
+
+
+def commands(argv):
+  """The command lines of a results file, each in backticks: `argv` is one command's words,
+  or (files merged with `--from-json A,B`) a list of them."""
+  return "\n\n".join(f"`{' '.join(words)}`" for words in argvs(argv))
+
+
+def values(rows, key):
+  """The distinct values of `key` over the rows, in order, comma-separated."""
+  return ", ".join(str(v) for v in dict.fromkeys(r[key] for r in rows))
+
+
 def markdown(rows, info, argv, s):
   r0 = rows[0]
   where = (
@@ -195,8 +238,9 @@ def markdown(rows, info, argv, s):
     else f"{info['devices']} {info['backend']} devices"
   )
   return (
-    f"# moe_shard benchmark\n\n`{' '.join(argv)}`\n\n"
-    f"T={r0['T']} tokens in all, D={r0['D']}, F={r0['F']}, K={r0['K']}, {r0['dtype']}, "
+    f"# moe_shard benchmark\n\n{commands(argv)}\n\n"
+    + "; ".join(f"{k}={values(rows, k)}" for k in "TDFK")
+    + f" (T tokens in all); {r0['dtype']}, "
     + (
       f"expert weights {', '.join(dict.fromkeys(weights(r) for r in rows))}, "
       if quantized_rows(rows)
@@ -342,6 +386,13 @@ CSV_FIELDS = (
   "ici_s",
   "hbm_bytes_xla",
   "hbm_bytes_accessed",
+  "hbm_bytes_no_prefetch",
+  "roofline_no_prefetch_s",
+  "bound_s",
+  "bound_bytes",
+  "bound_flops",
+  "touched_experts",
+  "model",
   "error",
 )
 

@@ -199,13 +199,16 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
   """Compiles (and, off TPU, readies for timing) every impl of `impls` on one case with one
   weights format: appends its rows to `case_rows`, the programs to time to `timed` as
   (program, args, row), and the items each dispatch keeps to `kept`."""
-  from bench import accounting, measure, tpu
+  from bench import accounting, bound, measure, tpu
   from bench import programs as progs
   from bench.impls import BENCH_IMPLS, NotRun
 
   level, E, routing, size, mesh = case.level, case.E, case.routing, case.size, case.mesh
   routing_bound = accounting.routing_bound_bytes(case)
   stored = param_bytes(case.args[0]) if level == "layer" else None
+  peak = tpu.PEAKS.get(tpu.generation(tpu_topology)) if tpu_topology else None
+  held = stored or param_bytes(case.args[1])  # the layer's parameters, or the kernel's w
+  bounds = {m: bound.bound(case, held, m, peak) for m in s["modes"]}
   for impl in impls:
     entry = BENCH_IMPLS[impl]
     try:
@@ -236,6 +239,8 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
         **({"expert_fsdp_axis": size.expert_fsdp_axis} if size.expert_fsdp_axis else {}),
         **({"shared_experts": size.num_shared_experts} if size.num_shared_experts else {}),
         **({"topology": tpu_topology} if tpu_topology else {}),
+        **({"model": s["model"]} if s.get("model") else {}),
+        **bounds[mode],
       )
       passes = 1 if mode == "fwd" else 3
       if fns is None or (entry.foreign and tpu_topology):

@@ -69,7 +69,9 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None):
     a chip with cited peaks, roofline_s = max(compute_s, hbm_s, ici_s): executed FLOPs over
     peak FLOP/s, HBM bytes (XLA's "bytes accessed" with loop bodies times their trip
     counts; hbm_bytes_accessed) over HBM bandwidth, bytes sent over ICI bandwidth.
-    hbm_bytes_xla is XLA's own figure (bodies once).
+    hbm_bytes_xla is XLA's own figure (bodies once). With `hbm_bytes`, also
+    hbm_bytes_no_prefetch (its "no_prefetch": less the bytes of values in VMEM, which
+    XLA counts as HBM's; `bench.hbm`) and roofline_no_prefetch_s, the roofline with it.
   """
   from bench import measure
 
@@ -92,4 +94,8 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None):
     out["hbm_s"] = out["hbm_bytes_accessed"] / peak["hbm"]
     out["ici_s"] = wire_bytes / peak["ici"]
     out["roofline_s"] = max(out["compute_s"], out["hbm_s"], out["ici_s"])
+    if hbm_bytes is not None and "no_prefetch" in hbm_bytes:
+      out["hbm_bytes_no_prefetch"] = hbm_bytes["no_prefetch"]
+      hbm_s = hbm_bytes["no_prefetch"] / peak["hbm"]
+      out["roofline_no_prefetch_s"] = max(out["compute_s"], hbm_s, out["ici_s"])
   return out

@@ -486,3 +486,24 @@ ENTRY %main (p0: bf16[512,256], p1: bf16[2,256,128]) -> bf16[512,128] {
   (row,) = hbm.op_bytes(text)
   assert row["read"] + row["written"] == 1_000_000
   assert row["written"] == 512 * 128 * 2
+
+
+def test_a_prefetch_into_vmem_is_counted_apart():
+  from bench import hbm
+
+  # A weight copied into VMEM (memory space S(1)), then read by the matmul from there.
+  text = """HloModule m
+
+ENTRY %main (x: bf16[8,256], w: s8[256,512]) -> bf16[8,512] {
+  %x = bf16[8,256]{1,0} parameter(0)
+  %w = s8[256,512]{1,0} parameter(1)
+  %cs = (s8[256,512]{1,0:S(1)}, s8[256,512]{1,0}, u32[]) copy-start(%w)
+  %cd = s8[256,512]{1,0:S(1)} copy-done(%cs)
+  ROOT %dot = bf16[8,512]{1,0} fusion(%x, %cd), kind=kOutput, calls=%f
+}
+"""
+  rows = {r["opcode"]: r for r in hbm.op_bytes(text)}
+  w = 256 * 512
+  # The copy reads HBM and writes VMEM; the matmul reads x from HBM and w from VMEM.
+  assert rows["copy-done"]["read"] == rows["copy-done"]["written"] == rows["copy-done"]["vmem"] == w
+  assert rows["fusion"]["read"] == 8 * 256 * 2 + w and rows["fusion"]["vmem"] == w
