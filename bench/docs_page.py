@@ -72,6 +72,12 @@ SECTIONS = {
     "A gpt-oss-120b-like layer with MXFP4 and int8 experts, compiled for TPU v5e 2x4"
   ),
   "tpu_v5p_deepseek_quant": "A DeepSeek-V3-like layer with block-FP8 experts, compiled for TPU v5p",
+  "tpu_v5e_2x4_decode": (
+    "Decode: four published models' layers at 8, 64 and 256 tokens per chip, TPU v5e 2x4"
+  ),
+  "tpu_v6e_2x4_decode": (
+    "Decode: four published models' layers at 8, 64 and 256 tokens per chip, TPU v6e 2x4"
+  ),
 }
 
 # What a reader needs to know about a file beyond its rows.
