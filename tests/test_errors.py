@@ -215,7 +215,7 @@ def test_ragged_dot_unknown_gmm_impl():
   with pytest.raises(
     ValueError,
     match=re.escape(
-      "grouped_matmul: impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled') (got 'dense')"
+      "grouped_matmul: impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled', 'tokamax') (got 'dense')"
     ),
   ):
     trace(

@@ -106,7 +106,7 @@ BAD_CONFIGS = [
   (
     dict(gmm_impl="dense"),
     ValueError,
-    "MoEConfig: gmm_impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled') (got 'dense')",
+    "MoEConfig: gmm_impl must be one of ('auto', 'megablox', 'mosaic_gpu', 'ragged_dot', 'tiled', 'tokamax') (got 'dense')",
   ),
   (
     dict(expert_type="linear"),
