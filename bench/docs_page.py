@@ -67,7 +67,7 @@ SECTIONS = {
     "A DeepSeek-V3-like layer on TPU v5p 8x8x4: EP=64 x FSDP 4 over data"
   ),
   "tpu_v5e_op_costs": "XLA's TPU cost model on the layer's building blocks",
-  "tpu_v5e_2x4_quant": "Quantized experts (int8, fp8) against bf16, compiled for TPU v5e 2x4",
+  "tpu_v5e_2x4_quant": "Quantized experts (int8, fp8, mxfp4) against bf16, compiled for TPU v5e 2x4",
   "tpu_v5e_2x4_gpt_oss_quant": (
     "A gpt-oss-120b-like layer with MXFP4 and int8 experts, compiled for TPU v5e 2x4"
   ),

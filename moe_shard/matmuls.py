@@ -8,9 +8,11 @@ meet the rows:
   * `MaskedMatmul`: one local expert, its rows in any order, padding rows masked.
 
 Each takes a float matrix or a `QuantizedArray` (`quant.py`) where it takes `w`. A quantized
-matrix is frozen (its gradient is stopped) and is dequantized a piece at a time: per group
-inside the grouped matmul's backends (`kernels/grouped_matmul.py`), one expert's matrix for
-`dense_matmul`, and for `MaskedMatmul` as the operand of the dot, which XLA fuses into it.
+matrix is frozen (its gradient is stopped) and is dequantized a piece at a time: per block
+or group inside the grouped matmul's backends (`kernels/grouped_matmul.py`, which
+`MaskedMatmul` calls with one group of all its rows for FP8 and MXFP4), as the operand of
+`MaskedMatmul`'s dot for int8 (XLA fuses the decode into it), and one expert's matrix for
+`dense_matmul`.
 Products accumulate in float32.
 """
 
@@ -87,6 +89,13 @@ class GroupedMatmul:
     return (y_MF.astype(jnp.float32) + b_MF.astype(jnp.float32)).astype(y_MF.dtype)
 
 
+# Formats `MaskedMatmul` decodes through the grouped matmul's kernel rather than as the
+# operand of an XLA dot: XLA:TPU fuses int8's decode into the dot (and with it the FFN's
+# elementwise ops), but not FP8's bit decoding or MXFP4's nibbles and table
+# (bench/results/tpu_v5e_2x4_quant.md).
+KERNEL_DECODED = ("fp8", "mxfp4")
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskedMatmul:
   """The matmul of one local expert, its rows in any order: `x @ w[0]` on the rows where
@@ -111,7 +120,13 @@ class MaskedMatmul:
     if len(w_GDF.shape) != 3 or w_GDF.shape[0] != 1:
       raise ValueError(f"MaskedMatmul: w_GDF must be [1, D, F] (got {tuple(w_GDF.shape)})")
     out = x_MD.dtype if self.out_dtype is None else self.out_dtype
-    y_MF = jnp.dot(x_MD, as_operand(w_GDF[0], x_MD.dtype), preferred_element_type=out)
+    if quant.is_quantized(w_GDF) and w_GDF.fmt in KERNEL_DECODED:
+      # One group of all M rows through the platform's grouped matmul, which decodes w a
+      # block at a time (the TPU kernel in VMEM).
+      sizes_G = jnp.full((1,), x_MD.shape[0], jnp.int32)
+      y_MF = grouped_matmul(x_MD, w_GDF, sizes_G, preferred_element_type=out)
+    else:  # a float w, or int8's decode (a convert and a multiply), which XLA fuses
+      y_MF = jnp.dot(x_MD, as_operand(w_GDF[0], x_MD.dtype), preferred_element_type=out)
     return jnp.where(self.valid_M[:, None], y_MF, jnp.zeros((), y_MF.dtype))
 
   def add_bias(self, y_MF: Float[Array, "M F"], b_GF: Float[Array, "G F"]) -> Float[Array, "M F"]:

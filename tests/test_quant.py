@@ -368,3 +368,22 @@ def test_errors_name_the_argument():
     match=re.escape("QuantizedArray: only the axes before the matrix's last two can be indexed"),
   ):
     q[0, 1]
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_masked_matmul_on_quantized_weights(fmt):
+  """One local expert: valid rows get x @ w[0] by the grouped matmul's decode, padding rows
+  zeros; dx likewise (the rows in any order)."""
+  D, F = DIMS[fmt]
+  M = 12
+  valid = np.arange(M) % 3 != 0
+  x = jax.random.normal(jax.random.key(6), (M, D))
+  q = quant.quantize(jax.random.normal(jax.random.key(7), (1, D, F)), fmt)
+  w64 = np_decode(q)[0]
+  ct = np.asarray(jax.random.normal(jax.random.key(8), (M, F)), np.float64)
+  y, vjp = jax.vjp(lambda x: ms.MaskedMatmul(jnp.asarray(valid))(x, q), x)
+  (dx,) = vjp(jnp.asarray(ct, jnp.float32))
+  want = np.where(valid[:, None], np.asarray(x, np.float64) @ w64, 0.0)
+  want_dx = np.where(valid[:, None], ct, 0.0) @ w64.T
+  np.testing.assert_allclose(y, want, atol=RTOL * np.abs(want).max(), rtol=0)
+  np.testing.assert_allclose(dx, want_dx, atol=RTOL * np.abs(want_dx).max(), rtol=0)
