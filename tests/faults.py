@@ -193,7 +193,13 @@ FAULTS = {
   ),
   "O": Fault(
     "the transposed TPU kernel's dx for a quantized w uses the forward kernel",
-    (("moe_shard/kernels/grouped_matmul.py", "    transpose_rhs=True,\n", "    transpose_rhs=False,\n"),),
+    (
+      (
+        "moe_shard/kernels/grouped_matmul.py",
+        "    transpose_rhs=True,\n",
+        "    transpose_rhs=False,\n",
+      ),
+    ),
     ("tests/test_quant.py", "-k", "megablox"),
   ),
 }

@@ -217,7 +217,7 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   C = max(8, 8 * math.ceil((n + math.ceil(4 * math.sqrt(n))) / 8))
   C = C if C < 4096 else 512 * math.ceil(C / 512)
   most = max(8, 8 * math.ceil(N * n / 8))  # every source's items to this device
-  C = capacity or (most if most <= 128 or C > most else C)  # 128: plan.DECODE_ROWS
+  C = capacity or (most if most <= 128 or most < C else C)  # 128: plan.DECODE_ROWS
   C_over = capacity or max(8, 8 * -(-C // 32))
   valid_TK = (ids_TK >= 0) & (ids_TK < E)
   return dict(
