@@ -223,8 +223,7 @@ DISPATCHES = [
   ("ragged_dot", True, "mxfp4"),
   ("all_gather", True, "int8"),
   ("all_to_all", True, "mxfp4"),
-  ("all_to_all", True, "fp8"),
-  ("ragged_all_to_all", True, "int8"),
+  ("all_to_all", True, "int8"),
   ("ragged_all_to_all", True, "mxfp4"),
 ]
 
