@@ -184,7 +184,8 @@ def init_moe_params(
       the expert axis, else arrays on the default device.
 
   Returns:
-    `MoEParams`: router_DE f32[D, E]; experts and shared in `cfg.param_dtype`; router_bias
+    `MoEParams`: router_DE f32[D, E]; experts and shared in `cfg.param_dtype` (with
+    `cfg.weights_format`, the routed experts' matrices `QuantizedArray`s of the same draws); router_bias
     f32[E] zeros with `bias_balancing`, else None; router_logit_bias f32[E] zeros with
     `router_logit_bias`, else None; shared_gate_D f32[D] normal with variance 1 / D with
     `shared_expert_gate`, else None.
