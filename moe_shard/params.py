@@ -110,6 +110,9 @@ def moe_param_specs(cfg: MoEConfig) -> MoEParams:
   gate are replicated. Each spec has one entry per array dimension (`P("expert", None,
   None)`, `P(None, None)`, `P(None)`), as Flax's partition metadata needs. For a stack of
   layers (a leading layer axis), prepend None: `jax.tree.map(lambda s: P(None, *s), specs)`.
+  With `cfg.weights_format`, a routed-expert matrix's spec is a `QuantizedArray` of two, for
+  its values and its scales: the matrix's, with no axis where the scales have one block for
+  the whole dimension.
 
   Args:
     cfg: `MoEConfig`.
