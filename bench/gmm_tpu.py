@@ -116,8 +116,8 @@ def fetched_bytes(kernel, group_sizes_G, num_rows, K, N, tiling, itemsize, out_i
     kernel: "gmm" or "tgmm".
     group_sizes_G: the group sizes (ints).
     num_rows: M, a multiple of tm.
-    K, N: the contraction and output widths of "gmm" (tgmm: dw's two dims), multiples of
-      the tiles.
+    K, N: the contraction and output widths of "gmm" (tgmm: dw's two dims); a width that
+      is not a multiple of its tile ends in a partial tile, counted here as a whole one.
     tiling: (tm, tk, tn) as megablox takes it.
     itemsize, out_itemsize: bytes per element of the inputs and of the output.
 
@@ -127,7 +127,7 @@ def fetched_bytes(kernel, group_sizes_G, num_rows, K, N, tiling, itemsize, out_i
     x * N/tn + dy * K/tk + dw).
   """
   tm, tk, tn = tiling
-  tiles_k, tiles_n = K // tk, N // tn
+  tiles_k, tiles_n = -(-K // tk), -(-N // tn)
   group_ids, m_tiles = _metadata(group_sizes_G, num_rows, tm, kernel == "tgmm")
   G = len(group_sizes_G)
   if kernel == "gmm":

@@ -7,6 +7,7 @@ compile (interpret mode traces every kernel: keep the shapes few and small).
 """
 
 import functools
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -88,7 +89,7 @@ def check(
   np.testing.assert_array_equal(np.asarray(dx, np.float32)[past], 0)
 
 
-# M = 45 rows: one 128-row tile, padded; D = 8 and F = 12 padded to 128.
+# M = 45 rows: one 128-row tile, padded; D = 8 and F = 12 in one partial 128-column tile.
 NAMED = {
   "random_with_empty": [10, 0, 20, 0, 3, 4],  # sum 37: rows past the total
   "every_row_routed": [8, 8, 8, 8, 8, 5],
@@ -116,13 +117,13 @@ def test_one_group_matches_oracle(group_sizes):
 
 
 def test_several_tiles_match_oracle():
-  # 3 row tiles of 128 (300 rows padded to 384), two D tiles and two F tiles (200 and 130
-  # padded to 256); group 0 and group 2 share the first tile's boundary row 100.
+  # 3 row tiles of 128 (300 rows padded to 384), two D tiles and two F tiles (200 and 130,
+  # each ending in a partial tile); group 0 and group 2 share the first tile's boundary row 100.
   check(300, 200, 130, [100, 0, 150], tiling=(128, 128, 128))
 
 
 def test_full_width_tiles_match_oracle():
-  # One D tile and one F tile (200 and 130 padded to 256), as the rule picks where VMEM
+  # One D tile and one F tile (200 and 130 in one partial 256-column tile), as the rule picks where VMEM
   # allows: consecutive row tiles of a group share w's block, the rows are read once.
   check(300, 200, 130, [100, 0, 150], tiling=(128, 256, 256))
 
@@ -193,7 +194,7 @@ def test_platform_dependent_takes_default_branch_on_cpu():
 
 def test_compiles_for_tpu_in_shard_map():
   """Compiled (not run) for 8 v5e chips: platform_dependent takes the megablox branch, Mosaic
-  takes the padded odd shapes, the kernels trace under check_vma, dw is all-reduced."""
+  takes the odd shapes in partial tiles, the kernels trace under check_vma, dw is all-reduced."""
   pytest.importorskip("libtpu")
   from jax.experimental import topologies
 
@@ -228,15 +229,18 @@ def test_compiles_for_tpu_in_shard_map():
     .as_text()
   )
   assert "all-reduce" in text
-  # gmm, gmm^T, tgmm, each declaring 2*m*k*n FLOPs on the padded per-device problem
-  # (45 -> 128 rows, 8 and 12 -> 128 columns): what `bench.gmm_tpu.kernel_costs` reads.
+  # gmm, gmm^T, tgmm, each declaring 2*m*k*n FLOPs on the per-device problem, its rows
+  # padded (45 -> 128) and its columns not (8 and 12: partial tiles, w is not copied):
+  # what `bench.gmm_tpu.kernel_costs` reads.
   from bench.gmm_tpu import fetched_bytes, kernel_costs
 
-  assert [f for f, _ in kernel_costs(text)] == [2 * 128**3] * 3
+  assert [f for f, _ in kernel_costs(text)] == [2 * 128 * 8 * 12] * 3
+  assert set(re.findall(r"bf16\[6,\d+,\d+\]", text)) == {"bf16[6,8,12]"}  # w never padded
   # Their declared bytes are the formula `fetched_bytes` sets beside what is fetched (the
   # formula does not depend on the sizes' values; 6 groups, one 128-row tile).
   sizes, tiles = [10, 0, 20, 0, 3, 4], (128, 128, 128)
-  want = [fetched_bytes(k, sizes, 128, 128, 128, tiles, 2, 2)[1] for k in ("gmm", "gmm", "tgmm")]
+  calls = (("gmm", 8, 12), ("gmm", 12, 8), ("tgmm", 8, 12))
+  want = [fetched_bytes(k, sizes, 128, K, N, tiles, 2, 2)[1] for k, K, N in calls]
   assert sorted(b for _, b in kernel_costs(text)) == sorted(want)
 
 

@@ -10,9 +10,10 @@ tile two groups share is multiplied twice): the routed FLOPs plus at most one ti
 group boundary inside a tile. What megablox does not take as is:
 
   * M: padded with zero rows to a multiple of the row tile `tm` (megablox requires it).
-  * D, F: zero-padded to multiples of the column tiles (multiples of 128, the MXU's width);
-    y and dw are sliced back. The padding copies x and w on every call: keep D and F
-    multiples of 128 (model widths are) and no copy is made.
+  * D, F: not padded. Widths that are not multiples of the column tiles (gpt-oss's 2880)
+    end in a partial tile: megablox masks the contraction's last tile to its `k_rem`
+    columns, and Pallas clips the out-of-bounds part of an output block. (Padding w
+    would copy all of it on every call: 0.54 GB per gpt-oss-120b matrix on a chip.)
   * VMEM: megablox sets no VMEM limit (Mosaic's default, 16 MiB on v5e, of v5e's 128 MiB)
     and takes none; the limit of the TPU generation traced for (`vmem_limit`) is added to
     the compiler parameters it builds while it traces, and the tiles grow to fill it
@@ -363,13 +364,13 @@ def megablox_gmm(
       f"{fn}: tiling must be (tm, tk, tn), positive ints, tm a multiple of "
       f"8, tk and tn multiples of {LANES} (got {tiling!r})"
     )
-  tm, tk, tn = tiling = tuple(tiling)
+  tiling = tuple(tiling)
+  tm = tiling[0]
   # Sizes that end by M: rows past M (and the padding below) belong to no group.
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
   x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
-  Q, Dp, Fp = round_up(max(M, 1), tm), round_up(D, tk), round_up(F, tn)
-  x_QD = jnp.pad(x_MD, ((0, Q - M), (0, Dp - D)))
-  w_GDF = jnp.pad(w_GDF, ((0, 0), (0, Dp - D), (0, Fp - F)))
+  Q = round_up(max(M, 1), tm)
+  x_QD = jnp.pad(x_MD, ((0, Q - M), (0, 0)))
   y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit_bytes, bool(interpret))
   # JAX types a custom_vjp made with functools.partial as returning object.
-  return y_QF[:M, :F]  # pyright: ignore[reportIndexIssue]
+  return y_QF[:M]  # pyright: ignore[reportIndexIssue]
