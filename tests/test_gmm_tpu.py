@@ -322,6 +322,44 @@ def test_default_tiling(M, D, F, dtype, G, limit, want):
 
 
 @pytest.mark.parametrize(
+  "M,D,F,G,limit,want,forward",
+  [
+    # DeepSeek-V3's gate at 256 tokens per chip on v5e: tgmm's whole [D, F] dw block narrows
+    # the three kernels' tk to D/2; the forward alone keeps it whole (w once per group).
+    (2232, 7168, 2048, 32, 96 * MIB, (256, 3584, 2048), (256, 7168, 2048)),
+    (2232, 2048, 7168, 32, 96 * MIB, (256, 2048, 3584), (256, 2048, 7168)),
+    (8192, 2048, 4096, 1, 96 * MIB, (1024, 2048, 4096), (1024, 2048, 4096)),
+    (8192, 2048, 4096, 1, 48 * MIB, (512, 2048, 2048), (512, 2048, 2048)),
+  ],
+)
+def test_default_tiling_forward(M, D, F, G, limit, want, forward):
+  tiles = functools.partial(
+    gmm_tpu.default_tiling, M, D, F, jnp.bfloat16, num_groups=G, vmem_limit=limit
+  )
+  assert tiles() == want and tiles(forward=True) == forward
+  tm, tk, tn = forward
+  assert gmm_tpu.vmem_bytes(tm, tk, tn, 2, ("fwd",)) <= gmm_tpu.vmem_budget(limit)
+
+
+@pytest.mark.parametrize("sizes", [[300, 0, 724], [1024, 0, 0], [100, 200, 300, 424]])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_fetched_once_bytes_bound_the_grid_walk(sizes, transpose):
+  """With one contraction tile the declared bytes are x per output tile, each w[g] once
+  and y: at least what the grid walk fetches (equal when no group is empty), and below
+  megablox's formula; with two contraction tiles, None (megablox's own)."""
+  from bench.gmm_tpu import fetched_bytes
+
+  M, K, N, b, G = 1024, 256, 512, 2, len(sizes)
+  w_shape = (G, N, K) if transpose else (G, K, N)
+  for tiling in [(256, K, N), (256, K, 256), (512, K, 128)]:
+    got = gmm_tpu.fetched_once_bytes((M, K), w_shape, tiling, b, b, transpose)
+    fetched, declared = fetched_bytes("gmm", sizes, M, K, N, tiling, b, b)
+    assert got is not None and fetched <= got <= declared
+    assert (got == fetched) == all(sizes)
+  assert gmm_tpu.fetched_once_bytes((M, K), w_shape, (256, 128, N), b, b, transpose) is None
+
+
+@pytest.mark.parametrize(
   "kind,want",
   [
     ("TPU v5 lite", 96 * MIB),
@@ -404,6 +442,16 @@ def test_vmem_limit_reaches_the_kernels_of_the_generation_traced_for():
   assert v5e.count(limit % (96 * MIB)) == 3
   v4 = _lowered_for("v4:2x2x1", tiling=(128, 256, 512))
   assert v4.count("tpu_custom_call") >= 3 and "scoped_memory_configs" not in v4
+
+
+def test_declared_bytes_reach_the_kernels():
+  """The forward and dx kernels (one contraction tile each) declare `fetched_once_bytes`;
+  tgmm keeps megablox's own figure."""
+  text = _lowered_for("v5e:2x4", tiling=(128, 256, 512))
+  declared = [int(b) for b in re.findall(r'"bytes_accessed":\s*"?(\d+)', text)]
+  fwd = gmm_tpu.fetched_once_bytes((256, 256), (4, 256, 512), (128, 256, 512), 2, 2)
+  dx = gmm_tpu.fetched_once_bytes((256, 512), (4, 256, 512), (128, 512, 256), 2, 2, True)
+  assert fwd in declared and dx in declared and len(declared) == 3
 
 
 # --- errors ---------------------------------------------------------------------------------

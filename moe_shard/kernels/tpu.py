@@ -17,7 +17,9 @@ group boundary inside a tile. What megablox does not take as is:
   * VMEM: megablox sets no VMEM limit (Mosaic's default, 16 MiB on v5e, of v5e's 128 MiB)
     and takes none; the limit of the TPU generation traced for (`vmem_limit`) is added to
     the compiler parameters it builds while it traces, and the tiles grow to fill it
-    (`default_tiling`).
+    (`default_tiling`); the forward's to fill it alone.
+  * Declared bytes: with one contraction tile, gmm declares the bytes its pipeline fetches
+    (`fetched_once_bytes`), not megablox's one w[g] per possible row tile.
   * Rows past sum(group_sizes): megablox never writes them (uninitialised; NaN in interpret
     mode), so y and dx are zeroed with a `where` (fused into y's consumer by XLA). Group
     sizes are clipped to end by M: rows past M belong to no group.
@@ -28,9 +30,7 @@ group boundary inside a tile. What megablox does not take as is:
     so a replicated w's gradient comes back summed over the devices. (The other helpers,
     shared with the GPU backend `kernels.gpu`, live in `kernels.pallas`.)
 
-megablox also takes `group_offset` (groups [offset, offset + rhs groups) of the sizes, rhs
-holding only those: a device's local experts) and `existing_out` (accumulate into an
-aliased output); neither is part of this backend's contract.
+megablox's `group_offset` and `existing_out` are not part of this backend's contract.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moe_shard.kernels.pallas import (
@@ -94,17 +95,23 @@ def _lane_tile(n, cap):
   return LANES * max(d for d in range(1, max(cap // LANES, 1) + 1) if lanes % d == 0)
 
 
-def vmem_bytes(tm, tk, tn, itemsize):
-  """VMEM bytes of the largest of the three kernels: blocks double-buffered, f32 scratch.
+KERNELS = ("fwd", "dx", "dw")
 
-  fwd: x[tm, tk], w[tk, tn], y[tm, tn] (f32 at worst), acc[tm, tn]; dx: the same with tk,
-  tn swapped, dx in x's dtype; tgmm: x[tm, tk], dy[tm, tn], dw[tk, tn], acc[tk, tn].
+
+def vmem_bytes(tm, tk, tn, itemsize, kernels=KERNELS):
+  """VMEM bytes of the largest of `kernels`: blocks double-buffered, f32 scratch.
+
+  "fwd": x[tm, tk], w[tk, tn], y[tm, tn] (f32 at worst), acc[tm, tn]; "dx": the same with
+  tk, tn swapped, dx in x's dtype; "dw" (tgmm): x[tm, tk], dy[tm, tn], dw[tk, tn],
+  acc[tk, tn]. Default: all three.
   """
   b = itemsize
-  fwd = 2 * b * (tm * tk + tk * tn) + (2 * 4 + 4) * tm * tn
-  dx = 2 * b * (tm * tn + tn * tk) + (2 * b + 4) * tm * tk
-  dw = 2 * b * (tm * tk + tm * tn) + (2 * b + 4) * tk * tn
-  return max(fwd, dx, dw)
+  need = dict(
+    fwd=2 * b * (tm * tk + tk * tn) + (2 * 4 + 4) * tm * tn,
+    dx=2 * b * (tm * tn + tn * tk) + (2 * b + 4) * tm * tk,
+    dw=2 * b * (tm * tk + tm * tn) + (2 * b + 4) * tk * tn,
+  )
+  return max(need[k] for k in kernels)
 
 
 def target_device_kind():
@@ -138,7 +145,7 @@ def vmem_budget(limit):
   return VMEM_BUDGET if limit is None else limit - 8 * MiB
 
 
-def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None):
+def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None, forward=False):
   """Picks megablox's tiles (tm, tk, tn) for x: dtype[M, D] and w: dtype[G, D, F].
 
   Columns: tk and tn start at full width (D and F rounded up to 128) and the larger one is
@@ -151,7 +158,11 @@ def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None):
   F / tn times. The dx and dw kernels take the same tiles (tgmm's dw[g] block is then the
   whole [D, F] matrix, its largest VMEM use). Under Mosaic's default limit this gives
   1024 x 1024 at D=2048, F=4096 in bf16 (512 x 1024 in f32); under v5e's and v6e's 96 MiB,
-  the full 2048 x 4096.
+  the full 2048 x 4096. With `forward`, the columns fit the forward kernel's blocks alone
+  (tm as without it): `megablox_gmm`'s forward takes these, its backward the three
+  kernels' tiles, so tgmm's whole-matrix dw block does not narrow the forward's tk below
+  D (DeepSeek-V3's D=7168, F=2048 under 96 MiB: 7168 x 2048, against 3584 x 2048, where
+  each row tile would read its group's w again).
 
   Rows: tm = 512 if (G - 1) * 512 <= 3M/4, else 256; 1024 if the padding and the tiles
   split by group boundaries cost at most M/8 rows ((G - 1) * 1024 + padding <= M / 8) and
@@ -168,6 +179,7 @@ def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None):
     num_groups: G (default 1).
     vmem_limit: the kernels' VMEM limit in bytes (default None: Mosaic's default; see
       `vmem_limit`).
+    forward: columns for the forward kernel only (default False: all three kernels).
 
   Returns:
     (tm, tk, tn): ints, multiples of 128.
@@ -181,9 +193,9 @@ def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None):
     tm = big
   tm = min(tm, rows)
 
-  def columns(tm):
+  def columns(tm, kernels=KERNELS):
     tk, tn = round_up(max(D, 1), LANES), round_up(max(F, 1), LANES)
-    while vmem_bytes(tm, tk, tn, b) > budget and max(tk, tn) > LANES:
+    while vmem_bytes(tm, tk, tn, b, kernels) > budget and max(tk, tn) > LANES:
       if tk >= tn:
         tk = _lane_tile(D, tk - LANES)
       else:
@@ -194,6 +206,8 @@ def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None):
   if tm == big and (tk, tn) != columns(MAX_ROW_TILE):
     tm = min(MAX_ROW_TILE, rows)  # a 1024-row tile only where it keeps the columns
     tk, tn = columns(tm)
+  if forward:
+    tk, tn = columns(tm, ("fwd",))
   return tm, tk, tn
 
 
@@ -210,87 +224,142 @@ class _PltpuWithVmemLimit:
     return pltpu.CompilerParams(*args, vmem_limit_bytes=self._limit, **kwargs)
 
 
+class _PlWithCost:
+  """`jax.experimental.pallas` whose `CostEstimate` declares `bytes_accessed` bytes."""
+
+  def __init__(self, bytes_accessed):
+    self._bytes = bytes_accessed
+
+  def __getattr__(self, name):
+    return getattr(pl, name)
+
+  def CostEstimate(self, **kwargs):  # the name megablox calls
+    return pl.CostEstimate(**dict(kwargs, bytes_accessed=self._bytes))
+
+
 _PATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _vmem_limit_for_megablox(limit):
-  """While megablox traces, its kernels get VMEM limit `limit` (None: no change).
+def _megablox_traced(tiles):
+  """While megablox traces, its kernels get the VMEM limit and declared bytes of `tiles`.
 
-  megablox builds its `pltpu.CompilerParams` itself, without a VMEM limit and with no
-  argument for one: its module's `pltpu` is replaced, while it traces, by one that adds
-  the limit (under a lock, restored after). Its functions are jitted with the tiling
-  static, so the tiling passed with a limit is a `_Tiles` that holds it: a trace under
-  one limit is never reused under another.
+  megablox builds its `pltpu.CompilerParams` and `pl.CostEstimate` itself, with no VMEM
+  limit and no argument for one or for its cost: its module's `pltpu` and `pl` are
+  replaced, while it traces, by ones that add them (under a lock, restored after). Its
+  functions are jitted with the tiling static, so the tiling is a `_Tiles` that holds
+  both: a trace under one limit or cost is never reused under another. A tuple: no change.
   """
-  if limit is None:
+  if not isinstance(tiles, _Tiles):
     yield
     return
   with _PATCH_LOCK:
-    setattr(_mb, "pltpu", _PltpuWithVmemLimit(limit))  # noqa: B010 - a module global
+    if tiles.vmem_limit is not None:
+      setattr(_mb, "pltpu", _PltpuWithVmemLimit(tiles.vmem_limit))  # noqa: B010 - a module global
+    if tiles.bytes_accessed is not None:
+      setattr(_mb, "pl", _PlWithCost(tiles.bytes_accessed))  # noqa: B010
     try:
       yield
     finally:
       setattr(_mb, "pltpu", pltpu)  # noqa: B010
+      setattr(_mb, "pl", pl)  # noqa: B010
 
 
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
-  """A tiling for megablox (which calls it with (m, k, n)) keyed also by the VMEM limit."""
+  """A tiling for megablox (which calls it with (m, k, n)) keyed also by the VMEM limit and
+  the bytes the kernel declares (None: megablox's own)."""
 
   tm: int
   tk: int
   tn: int
   vmem_limit: int | None
+  bytes_accessed: int | None = None
 
   def __call__(self, m, k, n):
     del m, k, n
     return self.tm, self.tk, self.tn
 
 
-def _tiles(tiling, limit):
+def fetched_once_bytes(lhs_shape, w_shape, tiling, itemsize, out_itemsize, transpose_rhs=False):
+  """The HBM bytes megablox's gmm moves when its contraction is one tile, else None.
+
+  gmm's grid is (output-column tiles, active row tiles, contraction tiles); the Pallas
+  pipeline copies a block only when its index changes between grid steps. With one
+  contraction tile, w[g]'s block stays while consecutive row tiles belong to group g, so
+  each output-column tile fetches each group's w[g] block once: G matrices at most in all,
+  x once per output-column tile and y once. megablox declares one whole w[g] per possible
+  row tile, M/tm + G - 1 of them, for any tiling (`bench.gmm_tpu.fetched_bytes` walks the
+  grid); XLA's "bytes accessed" takes the declared figure.
+
+  Args:
+    lhs_shape: (M, K) of the kernel's lhs (x, or dy for dx).
+    w_shape: (G, K, N), or (G, N, K) with `transpose_rhs`.
+    tiling: megablox's (tm, tk, tn): tk over K, tn over N.
+    itemsize, out_itemsize: bytes per element of the inputs and of the output.
+    transpose_rhs: the dx kernel, dy @ w[g]^T (default False).
+
+  Returns:
+    int, or None where K takes more than one tile (each row tile then fetches w[g] again,
+    as megablox declares).
+  """
+  (M, K), G = lhs_shape, w_shape[0]
+  N = w_shape[1] if transpose_rhs else w_shape[2]
+  _, tk, tn = tiling
+  if tk < K:
+    return None
+  return M * K * itemsize * -(-N // tn) + G * K * N * itemsize + M * N * out_itemsize
+
+
+def _tiles(tiling, limit, bytes_accessed=None):
   tm, tk, tn = tiling
-  return (tm, tk, tn) if limit is None else _Tiles(tm, tk, tn, limit)
+  none = limit is None and bytes_accessed is None
+  return (tm, tk, tn) if none else _Tiles(tm, tk, tn, limit, bytes_accessed)
+
+
+def _call_gmm(lhs, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit, interpret, transpose):
+  """megablox's gmm, its declared bytes those it fetches where that is known."""
+  b, ob = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  fetched = fetched_once_bytes(lhs.shape, w_GDF.shape, tiling, b, ob, transpose)
+  tiles = _tiles(tiling, vmem_limit, fetched)
+  with no_vma_check(), _megablox_traced(tiles):
+    return _mb.gmm(
+      lhs, w_GDF, group_sizes_G, out_dtype, tiles, transpose_rhs=transpose, interpret=interpret
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit, interpret):
-  with no_vma_check(), _vmem_limit_for_megablox(vmem_limit):
-    y_QF = _mb.gmm(
-      x_QD, w_GDF, group_sizes_G, out_dtype, _tiles(tiling, vmem_limit), interpret=interpret
-    )
+def _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tilings, vmem_limit, interpret):
+  # tilings: (forward's, backward's) (tm, tk, tn).
+  y_QF = _call_gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tilings[0], vmem_limit, interpret, False)
   (y_QF,) = vary_like(_varying_axes(x_QD), y_QF)
   return zero_past_groups(y_QF, group_sizes_G)
 
 
-def _gmm_fwd(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit, interpret):
-  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit, interpret)
+def _gmm_fwd(x_QD, w_GDF, group_sizes_G, out_dtype, tilings, vmem_limit, interpret):
+  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tilings, vmem_limit, interpret)
   return y_QF, (x_QD, w_GDF, group_sizes_G)
 
 
-def _gmm_bwd(out_dtype, tiling, vmem_limit, interpret, res, dy_QF):
+def _gmm_bwd(out_dtype, tilings, vmem_limit, interpret, res, dy_QF):
   del out_dtype
   x_QD, w_GDF, group_sizes_G = res
+  tiling = tilings[1]
   tm, tk, tn = tiling
   dy_QF = dy_QF.astype(x_QD.dtype)  # bf16 in, bf16 products (f32 accumulation)
-  with no_vma_check(), _vmem_limit_for_megablox(vmem_limit):
-    # dx = dy @ w[g]^T: contraction over F (tile tn), output columns over D (tile tk).
-    dx_QD = _mb.gmm(
-      dy_QF,
-      w_GDF,
-      group_sizes_G,
-      x_QD.dtype,
-      _tiles((tm, tn, tk), vmem_limit),
-      transpose_rhs=True,
-      interpret=interpret,
-    )
+  # dx = dy @ w[g]^T: contraction over F (tile tn), output columns over D (tile tk).
+  dx_QD = _call_gmm(
+    dy_QF, w_GDF, group_sizes_G, x_QD.dtype, (tm, tn, tk), vmem_limit, interpret, True
+  )
+  tiles = _tiles(tiling, vmem_limit)
+  with no_vma_check(), _megablox_traced(tiles):
     # dw[g] = x[rows of g]^T @ dy[rows of g]; every group written, empty ones with zeros.
     dw_GDF = _mb.tgmm(
       x_QD.swapaxes(0, 1),
       dy_QF,
       group_sizes_G,
       w_GDF.dtype,
-      _tiles(tiling, vmem_limit),
+      tiles,
       num_actual_groups=w_GDF.shape[0],
       interpret=interpret,
     )
@@ -320,8 +389,9 @@ def megablox_gmm(
       sizes are clipped to end by M). Not differentiable.
     preferred_element_type: dtype of y (default None: the dtype of `x_MD`). Products
       accumulate in float32 either way.
-    tiling: (tm, tk, tn) row, D and F tiles (default None: `default_tiling` for the VMEM
-      limit); tm a positive multiple of 8, tk and tn multiples of 128.
+    tiling: (tm, tk, tn) row, D and F tiles of the three kernels (default None:
+      `default_tiling` for the VMEM limit, the forward's with `forward=True`); tm a
+      positive multiple of 8, tk and tn multiples of 128.
     vmem_limit_bytes: the kernels' VMEM limit (default None: `vmem_limit` of the TPU
       traced for, `target_device_kind()`; Mosaic's default where it is not known, and in
       interpret mode).
@@ -350,9 +420,7 @@ def megablox_gmm(
     or vmem_limit_bytes <= 0
   ):
     raise ValueError(f"{fn}: vmem_limit_bytes must be a positive int (got {vmem_limit_bytes!r})")
-  if tiling is None:
-    tiling = default_tiling(M, D, F, x_MD.dtype, num_groups=G, vmem_limit=vmem_limit_bytes)
-  if (
+  if tiling is not None and (
     not isinstance(tiling, (tuple, list))
     or len(tiling) != 3
     or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tiling)
@@ -364,13 +432,19 @@ def megablox_gmm(
       f"{fn}: tiling must be (tm, tk, tn), positive ints, tm a multiple of "
       f"8, tk and tn multiples of {LANES} (got {tiling!r})"
     )
-  tiling = tuple(tiling)
-  tm = tiling[0]
+  if tiling is None:
+    tiles = functools.partial(
+      default_tiling, M, D, F, x_MD.dtype, num_groups=G, vmem_limit=vmem_limit_bytes
+    )
+    tilings = (tiles(forward=True), tiles())
+  else:
+    tilings = (tuple(tiling), tuple(tiling))
+  tm = tilings[0][0]  # the backward's too (`default_tiling`)
   # Sizes that end by M: rows past M (and the padding below) belong to no group.
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
   x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
   Q = round_up(max(M, 1), tm)
   x_QD = jnp.pad(x_MD, ((0, Q - M), (0, 0)))
-  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tiling, vmem_limit_bytes, bool(interpret))
+  y_QF = _gmm(x_QD, w_GDF, group_sizes_G, out_dtype, tilings, vmem_limit_bytes, bool(interpret))
   # JAX types a custom_vjp made with functools.partial as returning object.
   return y_QF[:M]  # pyright: ignore[reportIndexIssue]
