@@ -7,6 +7,7 @@ sizes are values: cases of one shape, format and direction share a compile.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +48,10 @@ def _oracle(x_MK, q, group_sizes, transpose):
   return out
 
 
-def check(fmt, transpose, dtype, group_sizes, tiling=None, out_dtype=jnp.float32, seed=0):
+def check(fmt, transpose, dtype, group_sizes, tiling=None, out_dtype=jnp.float32, seed=0, rows=M):
   q = _weights(fmt, dtype, seed)
-  x = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(M, F if transpose else D)), dtype)
+  x = np.random.default_rng(seed + 1).normal(size=(rows, F if transpose else D))
+  x = jnp.asarray(x, dtype)
   got = tpu_quant.quantized_gmm(
     x,
     q,
@@ -67,7 +69,7 @@ def check(fmt, transpose, dtype, group_sizes, tiling=None, out_dtype=jnp.float32
   rtol = RTOL if out_dtype == jnp.float32 else 2.0**-8
   np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, err_msg=f"{group_sizes}")
   # Rows past the groups' total are exactly zero (the kernel leaves them unwritten).
-  np.testing.assert_array_equal(got[min(sum(group_sizes), M) :], 0)
+  np.testing.assert_array_equal(got[min(sum(group_sizes), rows) :], 0)
 
 
 def _random_sizes(seed):
@@ -113,6 +115,14 @@ def test_named_group_sizes(fmt):
     check(fmt, False, jnp.float32, sizes)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_partial_last_row_tile(fmt):
+  """M = 50 rows in tiles of 32: the last row tile runs past x, and the rows past the
+  groups are zeros; with every row in a group, and with a row tile past all of them."""
+  for sizes in ([20, 0, 30], [10, 5, 3]):
+    check(fmt, False, jnp.float32, sizes, tiling=TILINGS[fmt, False], rows=50)
+
+
 def test_bfloat16_result():
   check("int8", False, jnp.bfloat16, [20, 0, 30], out_dtype=jnp.bfloat16)
 
@@ -147,6 +157,9 @@ MIB = 2**20
     # gpt-oss: 2880 is no multiple of 128, so D and F stay whole.
     ("mxfp4", False, (4096, 2880, 2880, 16), 96 * MIB, (256, 2880, 2880)),
     ("int8", False, (8192, 2048, 4096, 2), 96 * MIB, (512, 2048, 4096)),
+    # Decode: one row tile of all M rows, M rounded up to 16 (no padding to 128).
+    ("int8", False, (192, 2048, 768, 16), 96 * MIB, (192, 2048, 768)),
+    ("fp8", False, (40, 7168, 2048, 32), 96 * MIB, (48, 7168, 2048)),
   ],
 )
 def test_default_tiling(fmt, transpose, shape, limit, want):
@@ -175,6 +188,25 @@ def test_errors():
 
 
 # --- compiled for TPU v5e -------------------------------------------------------------------
+
+
+def _v5e_chip():
+  """(one v5e device's mesh, sds(shape, dtype): a replicated ShapeDtypeStruct on it)."""
+  pytest.importorskip("libtpu")
+  from jax.experimental import topologies
+
+  devs = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices
+  mesh = jax.sharding.Mesh(np.array(devs[:1]), ("x",))
+  return mesh, lambda shape, dtype: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=NamedSharding(mesh, P())
+  )
+
+
+def _abstract_weights(sds, shape, fmt):
+  """A `QuantizedArray` of ShapeDtypeStructs standing for f[shape] in `fmt`."""
+  w = jax.eval_shape(lambda: quant.quantize(jnp.zeros(shape, jnp.bfloat16), fmt))
+  values, scales = sds(w.values.shape, w.values.dtype), sds(w.scales.shape, w.scales.dtype)
+  return quant.QuantizedArray(values, scales, fmt, w.dtype)  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -207,3 +239,31 @@ def test_compiles_for_tpu_v5e(fmt):
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     assert cost["flops"] >= 2 * M_ * D_ * F_
+
+
+def test_weights_stay_in_hbm_for_tpu_v5e():
+  """Compiled for v5e at decode size (M=64, w: int8 [4, 2048, 2048], 16 MiB), one call and a
+  loop of more calls on the same w: XLA keeps the values in HBM as the kernels' operand (no
+  prefetch of the whole matrix into VMEM, memory space S(1)), and the kernel declares x read
+  once over its 4 column tiles (one row tile, one contraction tile)."""
+  mesh, sds = _v5e_chip()
+  M_, D_, G_ = 64, 2048, 4
+  q = _abstract_weights(sds, (G_, D_, D_), "int8")
+  gmm = functools.partial(
+    tpu_quant.quantized_gmm,
+    tiling=(M_, D_, D_ // 4),
+    vmem_limit_bytes=gmm_tpu.vmem_limit(mesh.devices.flat[0].device_kind),
+  )
+
+  def f(x, q, gs):  # the loop runs while the data says so: XLA cannot drop it
+    n = gs[0] // 1000
+    y = gmm(x, q, gs)
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, gmm(c[1], q, gs)), (0, y))
+
+  x = sds((M_, D_), jnp.bfloat16)
+  compiled = jax.jit(f).lower(x, q, sds((G_,), jnp.int32)).compile()
+  text = str(compiled.as_text())
+  assert not re.findall(r"s8\[[\d,]+\]\{[^}]*S\(1\)\}", text)
+  kernels = re.findall(r'"bytes_accessed":"(\d+)"', text)
+  w_bytes = G_ * D_ * D_ + G_ * D_ * 4
+  assert kernels and all(int(b) == w_bytes + 2 * M_ * D_ * 2 for b in kernels), kernels

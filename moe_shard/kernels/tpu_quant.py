@@ -45,7 +45,9 @@ Per format, the blocks of one w region [d rows, f columns] (d along D, f along F
 
 The tile arithmetic (`Layout`, `default_tiling`, `vmem_bytes`) and the argument checks are in
 `tpu_quant_tiling.py`; `default_tiling` and `vmem_bytes` are re-exported here. Tiles must
-divide D and F (w is never padded); M is padded with zero rows to the row tile.
+divide D and F (w is never padded). x is padded with zero rows only where M is below one row
+tile; above, the last row tile is partial. Every row tile is stored (`_visit_every_tile`),
+rows past the groups as zeros, so the result needs no `where` or slice in XLA.
 """
 
 from __future__ import annotations
@@ -64,7 +66,6 @@ from moe_shard.kernels.pallas import (
   no_vma_check,
   round_up,
   vary_like,
-  zero_past_groups,
 )
 from moe_shard.kernels.tpu import target_device_kind, vmem_limit
 from moe_shard.kernels.tpu_quant_tiling import (
@@ -158,12 +159,14 @@ def _dequantize_block(lay, values_ref, scales_ref, deq_refs, d_idx, f_idx):
     lax.fori_loop(0, lay.block_rows // rows, chunk, None)
 
 
-def _store_mask(group_metadata, grid_id, tm, cols):
-  """[tm, cols] bool: the rows of this row tile that belong to its group (megablox's)."""
+def _store_masks(group_metadata, grid_id, tm, cols):
+  """[tm, cols] bools: the rows of this row tile that belong to its group (megablox's), and
+  the rows past every group (zeros)."""
   group_offsets, group_ids, m_tile_ids = group_metadata
   g = group_ids[grid_id]
   rows = lax.broadcasted_iota(jnp.int32, (tm, cols), 0) + m_tile_ids[grid_id] * tm
-  return (rows >= group_offsets[g]) & (rows < group_offsets[g + 1])
+  past = rows >= group_offsets[group_offsets.shape[0] - 1]
+  return (rows >= group_offsets[g]) & (rows < group_offsets[g + 1]), past
 
 
 def _kernel(lay, group_metadata, *refs):
@@ -211,8 +214,9 @@ def _kernel(lay, group_metadata, *refs):
   @pl.when(k_i == lay.tiles_k - 1)
   def _store():
     for out, acc in zip(out_refs, acc_refs):
-      mask = _store_mask(group_metadata, grid_id, lay.tm, out.shape[1])
-      out[...] = lax.select(mask, acc[...], out[...].astype(jnp.float32)).astype(lay.out_dtype)
+      mine, past = _store_masks(group_metadata, grid_id, lay.tm, out.shape[1])
+      kept = jnp.where(past, 0.0, out[...].astype(jnp.float32))
+      out[...] = lax.select(mine, acc[...], kept).astype(lay.out_dtype)
 
 
 def quantized_gmm(
@@ -281,8 +285,9 @@ def quantized_gmm(
   tm, tk, tn = check_tiling(fn, tiling, w.fmt, D, F, transpose_rhs)
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
   x_MK, values, scales, group_sizes_G = match_vma(x_MK, w.values, w.scales, group_sizes_G)
-  Q = round_up(max(M, 1), tm)
-  x_QK = jnp.pad(x_MK, ((0, Q - M), (0, 0)))
+  # Padded only up to one row tile; past it the last row tile is partial (Mosaic reads
+  # unspecified rows past the array, which no store keeps, and drops the writes past it).
+  x_RK = jnp.pad(x_MK, ((0, max(tm - M, 0)), (0, 0)))
   lay = Layout(
     fmt=w.fmt,
     transpose=bool(transpose_rhs),
@@ -291,30 +296,52 @@ def quantized_gmm(
     tn=tn,
     tiles_k=(F if transpose_rhs else D) // tk,
     w_dtype=jnp.dtype(w.dtype),
-    x_dtype=x_QK.dtype,
+    x_dtype=x_RK.dtype,
     out_dtype=out_dtype,
   )
   with no_vma_check():
-    out = _call(lay, x_QK, values, scales, group_sizes_G, vmem_limit_bytes, bool(interpret))
+    out = _call(lay, x_RK, values, scales, group_sizes_G, vmem_limit_bytes, bool(interpret))
   (out,) = vary_like(varying_axes(x_MK), out)
-  return zero_past_groups(out, group_sizes_G)[:M]
+  return out[:M]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _call(lay, x_QK, values, scales, group_sizes_G, vmem_limit_bytes, interpret):
-  """The pallas_call, and the XLA reshapes of x, w and the result around it."""
-  G, Q = values.shape[0], x_QK.shape[0]
-  D, F = values.shape[1] * lay.planes, values.shape[2]
-  N = D if lay.transpose else F
-  tm, tk, tn, P = lay.tm, lay.tk, lay.tn, lay.planes
-  group_metadata, num_active_tiles = _mb.make_group_metadata(
+def _visit_every_tile(group_sizes_G, Q, tm):
+  """megablox's group metadata, with one more grid step for each row tile past the groups:
+  every row tile is stored, so the rows past the groups are the kernel's zeros (no `where`
+  over the result in XLA). The added steps keep the last step's group, so its w block stays
+  in VMEM. Returns ((group_offsets, group_ids, m_tile_ids), number of steps)."""
+  (offsets, group_ids, m_tile_ids), active = _mb.make_group_metadata(
     group_sizes=group_sizes_G,
     m=Q,
     tm=tm,
     start_group=jnp.zeros((), jnp.int32),
-    num_nonzero_groups=G,
+    num_nonzero_groups=group_sizes_G.shape[0],
     visit_empty_groups=False,
   )
+  used = (offsets[-1] + tm - 1) // tm  # row tiles holding a row of some group
+  extra = Q // tm - used
+  j = jnp.arange(group_ids.shape[0], dtype=jnp.int32) - active
+  added = (j >= 0) & (j < extra)
+  last_group = group_ids[jnp.maximum(active - 1, 0)]
+  group_ids = jnp.where(added, last_group, group_ids)
+  m_tile_ids = jnp.where(added, used + j, m_tile_ids)
+  return (offsets, group_ids, m_tile_ids), active + extra
+
+
+def _in_hbm(a, interpret):
+  """`a` constrained to stay in HBM as the kernel's operand (off TPU, as it is)."""
+  return a if interpret else pltpu.with_memory_space_constraint(a, pltpu.HBM)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _call(lay, x_RK, values, scales, group_sizes_G, vmem_limit_bytes, interpret):
+  """The pallas_call, and the XLA reshapes of x, w and the result around it."""
+  G, R = values.shape[0], x_RK.shape[0]
+  Q = round_up(R, lay.tm)  # rows of the row tiles
+  D, F = values.shape[1] * lay.planes, values.shape[2]
+  N = D if lay.transpose else F
+  tm, tk, tn, P = lay.tm, lay.tk, lay.tn, lay.planes
+  group_metadata, num_steps = _visit_every_tile(group_sizes_G, Q, tm)
 
   def m_tile(n_i, grid_id, k_i, meta):
     return meta[2][grid_id]
@@ -326,11 +353,11 @@ def _call(lay, x_QK, values, scales, group_sizes_G, vmem_limit_bytes, interpret)
     return (n_i, k_i) if lay.transpose else (k_i, n_i)
 
   if lay.transpose or P == 1:
-    xs = (x_QK,)
+    xs = (x_RK,)
     x_block = (tm, tk)
   else:  # mxfp4 forward: x's even and odd columns, against the even and odd rows of w
-    x_QH2 = x_QK.reshape(Q, D // 2, 2)
-    xs = (x_QH2[..., 0], x_QH2[..., 1])
+    x_RH2 = x_RK.reshape(R, D // 2, 2)
+    xs = (x_RH2[..., 0], x_RH2[..., 1])
     x_block = (tm, tk // 2)
   x_spec = pl.BlockSpec(x_block, lambda n, g, k, meta: (m_tile(n, g, k, meta), k))
   values_spec = pl.BlockSpec(
@@ -354,7 +381,7 @@ def _call(lay, x_QK, values, scales, group_sizes_G, vmem_limit_bytes, interpret)
   n_out = P if lay.transpose else 1
   out_cols = tn // n_out
   out_spec = pl.BlockSpec((tm, out_cols), lambda n, g, k, meta: (m_tile(n, g, k, meta), n))
-  out_shape = [jax.ShapeDtypeStruct((Q, N // n_out), lay.out_dtype)] * n_out
+  out_shape = [jax.ShapeDtypeStruct((R, N // n_out), lay.out_dtype)] * n_out
   scratch = [pltpu.VMEM((tm, out_cols), jnp.float32)] * n_out
   scratch += [pltpu.VMEM((lay.block_rows, lay.f_tile), lay.x_dtype)] * P
   if lay.fmt == "mxfp4":  # the block's scales as float32
@@ -365,11 +392,13 @@ def _call(lay, x_QK, values, scales, group_sizes_G, vmem_limit_bytes, interpret)
   # w: each group's blocks once per column tile with one contraction tile (row tiles of a
   # group share them), else a [K, tn] column of blocks per row tile visited.
   w_fetched = w_bytes if lay.tiles_k == 1 else w_bytes // G * (tiles_m + G - 1)
-  x_bytes = x_QK.size * x_QK.dtype.itemsize
+  # x: once per column tile, or once in all where its block never changes (one row tile
+  # and one contraction tile: the pipeline keeps the block it has).
+  x_fetched = x_RK.size * x_RK.dtype.itemsize * (1 if tiles_m == lay.tiles_k == 1 else N // tn)
   cost = pl.CostEstimate(
     flops=2 * Q * D * F,
     transcendentals=0,
-    bytes_accessed=x_bytes * (N // tn) + w_fetched + Q * N * jnp.dtype(lay.out_dtype).itemsize,
+    bytes_accessed=x_fetched + w_fetched + R * N * jnp.dtype(lay.out_dtype).itemsize,
   )
   outs = pl.pallas_call(
     functools.partial(_kernel, lay),
@@ -378,7 +407,7 @@ def _call(lay, x_QK, values, scales, group_sizes_G, vmem_limit_bytes, interpret)
       num_scalar_prefetch=1,
       in_specs=[x_spec] * len(xs) + [values_spec, scales_spec],
       out_specs=[out_spec] * n_out,
-      grid=(N // tn, num_active_tiles, (F if lay.transpose else D) // tk),
+      grid=(N // tn, num_steps, (F if lay.transpose else D) // tk),
       scratch_shapes=scratch,
     ),
     compiler_params=pltpu.CompilerParams(
@@ -387,7 +416,7 @@ def _call(lay, x_QK, values, scales, group_sizes_G, vmem_limit_bytes, interpret)
     ),
     interpret=interpret,
     cost_estimate=cost,
-  )(group_metadata, *xs, values, scales)
+  )(group_metadata, *xs, _in_hbm(values, interpret), _in_hbm(scales, interpret))
   if n_out == 1:
     return outs[0]
-  return jnp.stack(outs, axis=-1).reshape(Q, N)  # even and odd columns interleaved
+  return jnp.stack(outs, axis=-1).reshape(R, N)  # even and odd columns interleaved

@@ -27,6 +27,9 @@ from moe_shard.quant import FORMATS, QuantizedArray
 DTYPES = (jnp.bfloat16, jnp.float32)  # x's dtypes, as megablox
 FP8_BLOCK = 128  # rows and columns of one "fp8" scale
 MXFP4_BLOCK = 32  # logical rows of one "mxfp4" scale: 16 packed rows
+# Rows of the smallest row tile: a multiple of 16 (a bf16 VMEM tile's rows); at decode sizes
+# the row tile is M rounded up to it, so few rows are neither padded nor computed past M.
+MIN_ROW_TILE = 16
 # Elements of w decoded at a time: the float32 temporaries of one chunk stay a few MiB.
 CHUNK_ELEMENTS = 256 * 1024
 
@@ -122,7 +125,8 @@ def default_tiling(M, D, F, dtype, fmt, *, num_groups=1, transpose_rhs=False, vm
   Full width decodes each group's block once per column tile (consecutive row tiles of a
   group share it) and reads x once. Rows: tm = 512 if (G - 1) * 512 <= 3M/4, else 256 (each
   group boundary inside a row tile costs one more tile; `tpu.default_tiling`), at most M
-  rounded up to 128.
+  rounded up to `MIN_ROW_TILE` (16): at decode sizes one row tile of all M rows, so x is
+  not padded and each w block is read once.
 
   Args:
     M, D, F: problem sizes (ints); D and F divisible by the format's blocks.
@@ -138,7 +142,7 @@ def default_tiling(M, D, F, dtype, fmt, *, num_groups=1, transpose_rhs=False, vm
   b = jnp.dtype(dtype).itemsize
   budget = vmem_budget(vmem_limit)
   tm = MAX_ROW_TILE if 4 * (num_groups - 1) * MAX_ROW_TILE <= 3 * M else ROW_TILE
-  tm = min(tm, round_up(max(M, 1), LANES))
+  tm = min(tm, round_up(max(M, 1), MIN_ROW_TILE))
   d_tiles, f_tiles = _tiles_of(D, _d_unit(fmt)), _tiles_of(F, LANES)
   k_tiles, n_tiles = (f_tiles, d_tiles) if transpose_rhs else (d_tiles, f_tiles)
   i = j = 0
