@@ -10,9 +10,9 @@ meet the rows:
 Each takes a float matrix or a `QuantizedArray` (`quant.py`) where it takes `w`. A quantized
 matrix is frozen (its gradient is stopped) and is dequantized a piece at a time: per block
 or group inside the grouped matmul's backends (`kernels/grouped_matmul.py`, which
-`MaskedMatmul` calls with one group of all its rows for FP8 and MXFP4), as the operand of
-`MaskedMatmul`'s dot for int8 (XLA fuses the decode into it), and one expert's matrix for
-`dense_matmul`.
+`MaskedMatmul` calls with one group of all its rows for FP8 and MXFP4, and for int8 at up to
+`KERNEL_ROWS` rows), as the operand of `MaskedMatmul`'s dot for int8 past them (XLA fuses
+the decode into it), and one expert's matrix for `dense_matmul`.
 Products accumulate in float32.
 """
 
@@ -94,6 +94,10 @@ class GroupedMatmul:
 # elementwise ops), but not FP8's bit decoding or MXFP4's nibbles and table
 # (bench/results/tpu_v5e_2x4_quant.md).
 KERNEL_DECODED = ("fp8", "mxfp4")
+# int8 takes the kernel too at up to this many rows (decode): there XLA:TPU prefetches the
+# whole s8 matrix into VMEM before its dot (a copy that reads and writes it again), where
+# the kernel reads each block of it once from HBM.
+KERNEL_ROWS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +124,7 @@ class MaskedMatmul:
     if len(w_GDF.shape) != 3 or w_GDF.shape[0] != 1:
       raise ValueError(f"MaskedMatmul: w_GDF must be [1, D, F] (got {tuple(w_GDF.shape)})")
     out = x_MD.dtype if self.out_dtype is None else self.out_dtype
-    if quant.is_quantized(w_GDF) and w_GDF.fmt in KERNEL_DECODED:
+    if quant.is_quantized(w_GDF) and _kernel_decoded(w_GDF.fmt, x_MD.shape[0]):
       # One group of all M rows through the platform's grouped matmul, which decodes w a
       # block at a time (the TPU kernel in VMEM).
       sizes_G = jnp.full((1,), x_MD.shape[0], jnp.int32)
@@ -133,3 +137,9 @@ class MaskedMatmul:
     """`y[m] + b[0]` where `valid_M[m]`; padding rows stay as they are."""
     b_MF = jnp.where(self.valid_M[:, None], b_GF[0].astype(jnp.float32), 0.0)
     return (y_MF.astype(jnp.float32) + b_MF).astype(y_MF.dtype)
+
+
+def _kernel_decoded(fmt: str, rows: int) -> bool:
+  """Whether `MaskedMatmul` decodes a quantized w of `fmt` through the grouped matmul's
+  kernel for `rows` rows: FP8 and MXFP4 always, int8 at up to `KERNEL_ROWS` rows."""
+  return fmt in KERNEL_DECODED or (fmt == "int8" and rows <= KERNEL_ROWS)

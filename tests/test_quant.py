@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import AxisType
 
 import moe_shard as ms
-from moe_shard import quant
+from moe_shard import matmuls, quant
 from moe_shard.hf import fp8 as hf_fp8
 from moe_shard.hf import mxfp4 as hf_mxfp4
 from moe_shard.kernels.grouped_matmul import QUANTIZED_WEIGHTS
@@ -370,12 +370,16 @@ def test_errors_name_the_argument():
     q[0, 1]
 
 
-@pytest.mark.parametrize("fmt", quant.FORMATS)
-def test_masked_matmul_on_quantized_weights(fmt):
-  """One local expert: valid rows get x @ w[0] by the grouped matmul's decode, padding rows
-  zeros; dx likewise (the rows in any order)."""
+@pytest.mark.parametrize(
+  "fmt,M",
+  [(fmt, 12) for fmt in quant.FORMATS] + [("int8", matmuls.KERNEL_ROWS + 1)],
+  ids=lambda v: str(v),
+)
+def test_masked_matmul_on_quantized_weights(fmt, M):
+  """One local expert: valid rows get x @ w[0] by the grouped matmul's decode (int8 past
+  `KERNEL_ROWS` rows: as the operand of an XLA dot), padding rows zeros; dx likewise (the
+  rows in any order)."""
   D, F = DIMS[fmt]
-  M = 12
   valid = np.arange(M) % 3 != 0
   x = jax.random.normal(jax.random.key(6), (M, D))
   q = quant.quantize(jax.random.normal(jax.random.key(7), (1, D, F)), fmt)
@@ -387,3 +391,15 @@ def test_masked_matmul_on_quantized_weights(fmt):
   want_dx = np.where(valid[:, None], ct, 0.0) @ w64.T
   np.testing.assert_allclose(y, want, atol=RTOL * np.abs(want).max(), rtol=0)
   np.testing.assert_allclose(dx, want_dx, atol=RTOL * np.abs(want_dx).max(), rtol=0)
+
+
+@pytest.mark.parametrize("M", [matmuls.KERNEL_ROWS, matmuls.KERNEL_ROWS + 1])
+def test_masked_matmul_int8_takes_the_kernel_at_decode_rows(M):
+  """int8 goes through the grouped matmul's kernel (a pallas_call in its TPU branch) at up to
+  `KERNEL_ROWS` rows, where XLA:TPU would copy the s8 matrix into VMEM before its dot; past
+  them, through XLA's dot."""
+  D, F = DIMS["int8"]
+  q = quant.quantize(jnp.ones((1, D, F)), "int8")
+  mm = ms.MaskedMatmul(jnp.ones((M,), bool))
+  jaxpr = str(jax.make_jaxpr(lambda x: mm(x, q))(jnp.zeros((M, D), jnp.bfloat16)))
+  assert ("pallas_call" in jaxpr) == (M <= matmuls.KERNEL_ROWS)
