@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks, local
-from moe_shard.kernels.tpu import MAX_ROW_TILE
+from moe_shard.kernels.tpu import LANES, MAX_ROW_TILE, default_tiling
 
 # Receive buffers of at most this many rows hold the most that can arrive, whatever the
 # routing (`default_chunks`, `default_capacity`): one round, so the weights are read once.
@@ -189,7 +189,7 @@ def round_counts(count_N, chunks, rounds):
 # buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
 
 
-def default_capacity(tokens, k, recv_capacity=None, num_devices=None):
+def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=1):
   """Rows of the ragged dispatch's receive buffers per device: round 0's, then the others'.
 
   Args:
@@ -205,8 +205,15 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None):
       receive, N*T*K rounded up to a multiple of 8, and takes exactly that when it is at
       most `DECODE_ROWS`: at decode sizes every routing then runs one round, reading the
       weights once (T=8, K=2, N=8: 128 rows, where the margin gives 32 and skewed routings
-      up to 13 rounds of 8). An int C >= 1: C rows in every round.
+      up to 13 rounds of 8). With `num_local` > 1, round 0 is then rounded up to whole row
+      tiles of TPU's grouped matmul (`kernels.tpu.default_tiling`'s tm for that many rows
+      and groups) where that adds at most 1/16 of its rows: the kernel would otherwise pad
+      a copy of the buffer on every call (256 tokens per device, K=8: 2232 -> 2304 rows),
+      while every other pass over the buffer moves the added rows (K=4: 1152 stays, not
+      1280). An int C >= 1: C rows in every round.
     num_devices: N devices on the expert axis (default None: no such bound).
+    num_local: L local experts per device, the grouped matmul's groups (default 1: one
+      expert runs as a dense matmul, no row tiles).
 
   Returns:
     `Chunks(first, overflow)`: the rows of round 0 and of each later round.
@@ -224,6 +231,13 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None):
     most = max(8, 8 * math.ceil(num_devices * tokens * k / 8))  # every source sends all here
     if most <= DECODE_ROWS or first > most:
       first = most
+  if num_local > 1:
+    tiled = first
+    for _ in range(2):  # more rows can take a larger tile (256 -> 512), once
+      tm = default_tiling(tiled, LANES, LANES, jnp.bfloat16, num_groups=num_local)[0]
+      tiled = tm * math.ceil(tiled / tm)
+    if 16 * (tiled - first) <= first:  # padding rows move in every pass over the buffer
+      first = tiled
   return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_shard.kernels import tpu as gmm_tpu
 from moe_shard.plan import (
   Chunks,
   default_capacity,
@@ -360,6 +361,33 @@ def test_default_capacity(tokens, k, capacity, want):
 def test_default_capacity_bounded_by_devices(tokens, k, n, want):
   assert default_capacity(tokens, k, None, num_devices=n) == want
   assert default_capacity(tokens, k, 7, num_devices=n) == Chunks(7, 7)  # explicit wins
+
+
+@pytest.mark.parametrize(
+  "tokens, k, n, L, want, whole",
+  [
+    # Qwen3-30B-A3B at 256 tokens per chip (16 local experts): 2048 + 181 -> 2232 rows, in
+    # 256-row tiles of the grouped matmul (15 * 512 * 4 > 3 * 2232): 2304 (72 <= 2232 / 16).
+    (256, 8, 8, 16, Chunks(2304, 576), True),
+    # gpt-oss-120b (K=4): 1024 + 128 = 1152 -> 1280 would add 128 > 1152 / 16 rows: stays.
+    (256, 4, 8, 16, Chunks(1152, 288), False),
+    # Two local experts, 4 * 512 <= 3 * 2232: 512-row tiles, 2560 would add 328: stays.
+    (256, 8, 8, 2, Chunks(2232, 560), False),
+    # One local expert (a dense matmul, no row tiles): unchanged.
+    (256, 2, 8, 1, Chunks(608, 152), False),
+    # Small buffers stay (24 rows would take a 128-row tile); decode's 128 rows are whole.
+    (5, 2, 4, 2, Chunks(40, 16), False),
+    (8, 2, 8, 8, Chunks(128, 32), True),
+    # Training sizes: already whole 512-row tiles.
+    (4096, 2, 8, 8, Chunks(8704, 2176), True),
+  ],
+)
+def test_default_capacity_whole_row_tiles(tokens, k, n, L, want, whole):
+  got = default_capacity(tokens, k, None, num_devices=n, num_local=L)
+  assert got == want
+  # Whole row tiles: the grouped matmul pads nothing.
+  tm = gmm_tpu.default_tiling(got.first, 128, 128, jnp.bfloat16, num_groups=L)[0]
+  assert (got.first % tm == 0) == whole
 
 
 @pytest.mark.parametrize(

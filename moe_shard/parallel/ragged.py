@@ -166,9 +166,9 @@ def moe_ragged_all_to_all(
     return out
   y_TF, stats = out
   T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
-  rows = plan_lib.default_capacity(
-    -(-T // mesh.size), K, recv_capacity, axis_size(mesh, expert_axis)
-  )
+  N = axis_size(mesh, expert_axis)
+  E = jax.tree.leaves(w)[0].shape[0]
+  rows = plan_lib.default_capacity(-(-T // mesh.size), K, recv_capacity, N, E // N)
   return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.overflow)
 
 
@@ -202,7 +202,8 @@ def _ragged_jit(
     "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis, tensor_axis, fsdp_axis
   )
   K = experts_TK.shape[1]
-  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, recv_capacity, lay.n)
+  L = lay.num_experts // lay.n
+  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, recv_capacity, lay.n, L)
   body = functools.partial(_ragged_body, lay=lay, rows=rows, gmm_impl=gmm_impl)
   tok = lay.token_spec
   stats_specs = dict(
