@@ -176,19 +176,38 @@ def all_to_all(case, on_tpu=False):
   return Accounting(rounds, 0, trips)
 
 
-def ragged_capacity(tokens_per_device, k, num_devices, recv_capacity=None):
+def _row_tile(rows, groups):
+  """megablox's row tile for `rows` rows in `groups` groups at narrow columns, from its
+  documented rule (`kernels.tpu.default_tiling`): 512, or 256 where (G - 1) * 512 > 3/4 of
+  the rows, or 1024 where the boundaries and padding cost at most 1/8 of them; at most the
+  rows rounded up to 128."""
+  tm = 512 if 4 * (groups - 1) * 512 <= 3 * rows else 256
+  if 8 * ((groups - 1) * 1024 + 1024 * math.ceil(rows / 1024) - rows) <= rows:
+    tm = 1024
+  return min(tm, 128 * math.ceil(max(rows, 1) / 128))
+
+
+def ragged_capacity(tokens_per_device, k, num_devices, recv_capacity=None, num_local=1):
   """(C, C_overflow): receive-buffer rows of the ragged dispatch's round 0 and later rounds,
-  written out from its documented rule (`moe_ragged_all_to_all`): C = T_dev*K plus 4 * sqrt
-  of it, rounded up to a multiple of 8 (at least 8) and from 4096 up to a multiple of 512,
-  at most the most a device can receive, N*T_dev*K rounded up to a multiple of 8, and that
-  when it is at most 128 rows (`plan.DECODE_ROWS`); C_overflow = C / 4 rounded up to a
-  multiple of 8."""
+  written out from its documented rule (`moe_ragged_all_to_all`, `plan.default_capacity`):
+  C = T_dev*K plus 4 * sqrt of it, rounded up to a multiple of 8 (at least 8) and from 4096
+  up to a multiple of 512, at most the most a device can receive, N*T_dev*K rounded up to a
+  multiple of 8, and that when it is at most 128 rows (`plan.DECODE_ROWS`); with more than
+  one local expert, then rounded up to whole row tiles of TPU's grouped matmul (twice: more
+  rows can take a larger tile) where that adds at most C / 16 rows; C_overflow = C / 4
+  rounded up to a multiple of 8."""
   if recv_capacity is not None:
     return recv_capacity, recv_capacity
   first = _padded_load(tokens_per_device * k)
   first = first if first < 4096 else 512 * math.ceil(first / 512)
   most = max(8, 8 * math.ceil(num_devices * tokens_per_device * k / 8))
   first = most if most <= 128 or first > most else first
+  if num_local > 1:
+    tiled = first
+    for _ in range(2):
+      tm = _row_tile(tiled, num_local)
+      tiled = tm * math.ceil(tiled / tm)
+    first = tiled if 16 * (tiled - first) <= first else first
   return first, max(8, 8 * math.ceil(first / 4 / 8))
 
 
@@ -207,7 +226,7 @@ def ragged_all_to_all(case, on_tpu=False):
   both exchanges transposed.
   """
   n_dev, N, M, L, T_dev, load = _layout(case)
-  first, overflow = ragged_capacity(T_dev, case.size.K, N)
+  first, overflow = ragged_capacity(T_dev, case.size.K, N, num_local=L)
   recv = load.reshape(N, M, N, L).transpose(1, 2, 0, 3)  # [m, e_dst, e_src, l]
   rounds = a2a_rounds(int(recv.sum(axis=(2, 3)).max()), (first, overflow))
   # Position of each (source, expert) queue in its receiver's expert-major layout.

@@ -167,6 +167,20 @@ def test_ragged_host_accounting_matches_the_library(routing, mesh_name, request)
   assert acc.sent_bytes["fwd"] == pytest.approx(accounting.routing_bound_bytes(case))
 
 
+@pytest.mark.parametrize(
+  "tokens, k, n, num_local",
+  [(256, 8, 8, 16), (256, 8, 8, 32), (256, 4, 8, 16), (8, 2, 8, 1), (4096, 2, 8, 8), (40, 2, 4, 2)],
+)
+def test_ragged_capacity_written_out_equals_the_library(tokens, k, n, num_local):
+  """The host's receive-buffer rule, written out from the docs, gives the library's sizes,
+  the rounding to the grouped matmul's row tiles (several local experts) included."""
+  want = ms.plan.default_capacity(tokens, k, num_devices=n, num_local=num_local)
+  got = accounting.ragged_capacity(tokens, k, n, num_local=num_local)
+  assert got == (want.first, want.overflow)
+  if (tokens, k, num_local) == (256, 8, 16):
+    assert got[0] == 2304  # 2232 rows rounded to whole 256-row tiles
+
+
 def test_layer_level_reports_the_rounds_the_host_counts(mesh42):
   """At layer level the routing comes from the biased router; the host recomputes it."""
   case = progs.make_case("layer", 8, "hot_expert", SMALL, mesh42)
