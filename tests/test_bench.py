@@ -174,7 +174,9 @@ def test_ragged_host_accounting_matches_the_library(routing, mesh_name, request)
 def test_ragged_capacity_written_out_equals_the_library(tokens, k, n, num_local):
   """The host's receive-buffer rule, written out from the docs, gives the library's sizes,
   the rounding to the grouped matmul's row tiles (several local experts) included."""
-  want = ms.plan.default_capacity(tokens, k, num_devices=n, num_local=num_local)
+  from moe_shard.plan import default_capacity
+
+  want = default_capacity(tokens, k, num_devices=n, num_local=num_local)
   got = accounting.ragged_capacity(tokens, k, n, num_local=num_local)
   assert got == (want.first, want.overflow)
   if (tokens, k, num_local) == (256, 8, 16):
