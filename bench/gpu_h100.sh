@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The GPU tests and every GPU row on one H100, in one command (issue 37), under 8 minutes.
+# The GPU tests and every GPU row on one H100 or H200, in one command, under 8 minutes.
 #
 #   bash bench/gpu_h100.sh            # on the GPU machine, from the repository root
 #   bash bench/gpu_h100.sh --smoke    # on a CPU: tiny shapes, results in a temporary folder
 #   bash bench/gpu_h100.sh --dry-run  # print the steps and their time limits, run nothing
 #
 # Steps, each under its own time limit (a stuck step loses its own rows only):
-#   1. tests/test_gpu.py, test_tokamax.py, test_torch_peer.py      -> gpu_h100_tests.log
+#   1. tests/test_gpu.py, test_tokamax.py, test_torch_peer.py      -> gpu_TAG_tests.log
 #   2. python -m bench.gpu: auto, mosaic_gpu, tokamax and torch._grouped_mm at G = 8, 32,
-#      128, uniform sizes                                            -> gpu_h100_gmm.{json,md}
+#      128, uniform sizes                                            -> gpu_TAG_gmm.{json,md}
 #   3. python -m bench, the layer at E=8 and E=64 (T=32768, D=2048, F=4096, bf16): auto,
 #      torch_moe, ragged_all_to_all (1x1 mesh), dense_limit, matmul_limit
-#                                         -> gpu_h100_layer.{json,md}, gpu_h100_layer_e64.*
+#                                         -> gpu_TAG_layer.{json,md}, gpu_TAG_layer_e64.*
 #   4. the summary (`python -m bench.gpu_summary`): the ratios issue 37 asks for.
 # Results go to bench/results/ (RESULTS overrides) and, where $OUT is set (the device
 # tool), to $OUT as well. tokamax travels as wheels in .whl/ (bench/gpu_wheels.sh fetches
@@ -38,7 +38,11 @@ else
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 fi
 mkdir -p "$RESULTS"
-LOG="$RESULTS/gpu_h100_tests.log"
+# Files are named after the card that ran them: gpu_h100_* on an H100, gpu_h200_* on an H200.
+TAG=${GPU_TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+  grep -oiE 'h[0-9]{3}' | head -1 | tr 'H' 'h')}
+TAG=${TAG:-h100}
+LOG="$RESULTS/gpu_${TAG}_tests.log"
 
 step() {  # step SECONDS NAME COMMAND...: runs COMMAND under a time limit, says how it ended
   local limit=$1 name=$2
@@ -71,11 +75,11 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
 # 2. Grouped matmul against torch._grouped_mm (ragged_dot's rows: bench/results, earlier).
 # shellcheck disable=SC2086
 step "$GMM_T" gmm "$PY" -m bench.gpu $GMM --repeats "$REPEATS" \
-  --impls auto,mosaic_gpu,tokamax,torch --sizes uniform --out "$RESULTS/gpu_h100_gmm"
+  --impls auto,mosaic_gpu,tokamax,torch --sizes uniform --out "$RESULTS/gpu_${TAG}_gmm"
 # 3. The layer against the torchtitan-style PyTorch layer, one file per E.
 # ragged_all_to_all on the 1x1 mesh (against auto's local path) at E=8 only.
 for E in 8 64; do
-  stem="$RESULTS/gpu_h100_layer" impls=auto,torch_moe,ragged_all_to_all limit=$LAYER_T
+  stem="$RESULTS/gpu_${TAG}_layer" impls=auto,torch_moe,ragged_all_to_all limit=$LAYER_T
   [ "$E" = 64 ] && stem="${stem}_e64" impls=auto,torch_moe limit=$LAYER64_T
   step "$limit" "layer E=$E" "$PY" -m bench -T "$T" -D "$D" -F "$F" -E "$E" \
     --dtype bfloat16 --levels layer --modes fwd,fwd_bwd --repeats "$REPEATS" --mesh 1x1 \
@@ -84,10 +88,10 @@ done
 [ "$MODE" = --dry-run ] && exit 0
 
 # 4. Summary; results to $OUT for the device tool (at most 8 files come back).
-"$PY" -m bench.gpu_summary "$RESULTS" --tests "$LOG" | tee "$RESULTS/gpu_h100_summary.txt"
+"$PY" -m bench.gpu_summary "$RESULTS" --tag "$TAG" --tests "$LOG" | tee "$RESULTS/gpu_${TAG}_summary.txt"
 if [ -n "${OUT:-}" ]; then
-  cp "$RESULTS"/gpu_h100_{gmm,layer,layer_e64}.{json,md} "$RESULTS/gpu_h100_summary.txt" \
+  cp "$RESULTS"/gpu_"$TAG"_{gmm,layer,layer_e64}.{json,md} "$RESULTS/gpu_${TAG}_summary.txt" \
     "$OUT"/ 2>/dev/null
-  cat "$LOG" >> "$OUT/gpu_h100_summary.txt"
+  cat "$LOG" >> "$OUT/gpu_${TAG}_summary.txt"
 fi
 echo "results in $RESULTS"

@@ -2,7 +2,7 @@
 
     python -m bench.gpu_summary RESULTS_DIR [--tests LOG]
 
-Reads `gpu_h100_gmm.json` (`python -m bench.gpu`) and `gpu_h100_layer*.json` (`python -m
+Reads `gpu_TAG_gmm.json` (`python -m bench.gpu`) and `gpu_TAG_layer*.json` (`python -m
 bench`) in RESULTS_DIR and prints, from the rows of that one run:
 
   * grouped matmul: each backend's speed over `torch._grouped_mm`'s (time of torch / time
@@ -112,11 +112,11 @@ def test_lines(log):
   ]
 
 
-def summary(results, tests=None):
-  """The summary as text."""
-  gmm = _load(os.path.join(results, "gpu_h100_gmm.json"))
+def summary(results, tests=None, tag="h100"):
+  """The summary as text, from the files of the card named by `tag` (gpu_TAG_*.json)."""
+  gmm = _load(os.path.join(results, f"gpu_{tag}_gmm.json"))
   layer = []
-  for path in sorted(glob.glob(os.path.join(results, "gpu_h100_layer*.json"))):
+  for path in sorted(glob.glob(os.path.join(results, f"gpu_{tag}_layer*.json"))):
     layer += _load(path) or []
   lines = (test_lines(tests) + [""] if tests else []) + gmm_lines(gmm) + [""] + layer_lines(layer)
   return "\n".join(lines)
@@ -126,10 +126,11 @@ def main(argv=None):
   p = argparse.ArgumentParser(
     prog="python -m bench.gpu_summary", description=__doc__.split("\n")[0]
   )
-  p.add_argument("results", help="the folder holding gpu_h100_*.json")
+  p.add_argument("results", help="the folder holding gpu_TAG_*.json")
+  p.add_argument("--tag", default="h100", help="the card the files are named after (h100, h200)")
   p.add_argument("--tests", help="the pytest log to summarise")
   a = p.parse_args(sys.argv[1:] if argv is None else argv)
-  print(summary(a.results, a.tests))
+  print(summary(a.results, a.tests, a.tag))
   return 0
 
 
