@@ -286,6 +286,22 @@ def test_multi_round(capacity, mesh_name, routing):
     assert want["rounds"] == -(-80 * m.shape[ms.EXPERT] // 8 // capacity)
 
 
+@pytest.mark.parametrize("mesh_name", ["1x1-auto", "1x8-explicit"])
+def test_one_device_expert_axis_exchanges_nothing(mesh_name):
+  # Every device holds every expert: the items take the local ragged path, one round even
+  # with a 2-row capacity (which would need many), no exchange in the program; outputs and
+  # gradients against the oracle and the masked scan, stats against the host's count.
+  m = mesh(mesh_name)
+  ref = reference("one_expert", key(SHAPE), num_devices=1)
+  _, _, stats = check(ragged(m, 2), ref, f"ragged/C2/{mesh_name}")
+  assert int(stats["rounds"]) == 1
+  items = np.asarray(stats["sent_items"])
+  np.testing.assert_array_equal(items, np.asarray(stats["received_items"]))
+  assert int(items.sum()) == int(np.sum(stats["expert_load"])) > 0
+  hlo = jax.jit(ragged(m, 2)).lower(*ref.case[:4]).compile().as_text()
+  assert "all-to-all" not in hlo, mesh_name
+
+
 def test_data_by_expert_mesh():
   # The expert axis second: tokens are split data-major; Explicit axes (make_mesh's default).
   m = jax.make_mesh((2, 4), (ms.DATA, ms.EXPERT))

@@ -102,6 +102,10 @@ def moe_ragged_all_to_all(
   transpose), then a loop that replays each later round's exchange reversed and adds its
   gradient into round 0's in place.
 
+  On a mesh whose expert axis has one device (and no `expert_tensor_axis`), every device
+  holds all E experts and nothing is exchanged: its items take `moe_ragged_dot`'s path in
+  one round, and `recv_capacity` does not apply.
+
   On platforms whose XLA has no ragged-all-to-all (CPU), the exchange is an emulation with
   the same semantics built from `lax.all_to_all` of padded buffers
   (`ragged_all_to_all_emulated`): the same results, but padded traffic.
@@ -249,6 +253,11 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
   # Per-device sizes: T tokens of this device, K slots, I = T*K items, L local experts,
   # N (= S) devices on the expert axis, C rows of a receive buffer.
   axis, N = lay.expert_axis, lay.n
+  ffn_L = vary_over(
+    output_once(gather_weights(ffn_L, lay.fsdp_axis), lay.tensor_axis), lay.other_axes
+  )
+  if N == 1 and lay.tensor_axis is None:
+    return _one_device_body(x_TD, ffn_L, experts_TK, weights_TK, lay=lay, gmm_impl=gmm_impl)
   cfg = _Ragged(axis, lay.num_experts // N, rows, gmm_impl, lay.tensor_axis)
   T, K = experts_TK.shape
   with jax.named_scope("plan"):
@@ -265,9 +274,6 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
     # Every device runs as many rounds as the fullest receive order on the mesh needs.
     received = jnp.sum(recv_SL)
     rounds = rows.rounds(jax.lax.pmax(received, lay.all_axes))
-  ffn_L = vary_over(
-    output_once(gather_weights(ffn_L, lay.fsdp_axis), lay.tensor_axis), lay.other_axes
-  )
   with jax.named_scope("permute"):
     # Sorted by (destination, expert), invalid items last; moved by scatters both ways.
     x_ID, index = local.items_to_rows(x_TD, order_I, K)
@@ -279,6 +285,24 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
     rounds=rounds.astype(jnp.int32),
     sent_items=jnp.sum(count_NL)[None].astype(jnp.int32),
     received_items=received[None].astype(jnp.int32),
+    expert_load=jax.lax.psum(load_E, lay.all_axes),
+    invalid_ids=jax.lax.psum(jnp.sum(~valid_I).astype(jnp.int32), lay.all_axes),
+  )
+  return y_TF.astype(x_TD.dtype), stats
+
+
+def _one_device_body(x_TD, ffn, experts_TK, weights_TK, *, lay, gmm_impl):
+  """A one-device expert axis: this device holds every expert and has nothing to exchange.
+  Its items run through `moe_ragged_dot`'s body, in one round whatever the capacity: no
+  receive buffer, no second sort by local expert, no exchange."""
+  E = lay.num_experts
+  _, load_E, valid_I = local.sort_by_expert(experts_TK.reshape(-1), E)
+  y_TF = local.ragged_combine(x_TD, ffn, E, experts_TK, weights_TK, gmm_impl)
+  items = jnp.sum(load_E)[None].astype(jnp.int32)
+  stats = dict(
+    rounds=jnp.int32(1),
+    sent_items=items,
+    received_items=items,
     expert_load=jax.lax.psum(load_E, lay.all_axes),
     invalid_ids=jax.lax.psum(jnp.sum(~valid_I).astype(jnp.int32), lay.all_axes),
   )
