@@ -16,7 +16,7 @@ mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 --platform any -d .whl \
-  tokamax==0.0.17 xprof==2.24.2 fire==0.7.1 termcolor==3.3.0 qwix==0.1.8 einshape==1.0 typeguard==2.13.3 immutabledict==4.3.1 \
-  tensorboardx==2.6.5 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+  tokamax==0.0.17 xprof==2.24.2 fire==0.7.1 termcolor==3.3.0 qwix==0.1.8 einshape==1.0 \
+  typeguard==2.13.3 immutabledict==4.3.1 tensorboardx==2.6.5 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
   typing-inspection==0.4.5 typing-extensions==4.16.0
 ls .whl

@@ -104,7 +104,8 @@ def moe_ragged_all_to_all(
 
   On a mesh whose expert axis has one device (and no `expert_tensor_axis`), every device
   holds all E experts and nothing is exchanged: its items take `moe_ragged_dot`'s path in
-  one round, and `recv_capacity` does not apply.
+  one round, and `recv_capacity` does not apply (the stats' `capacity` is then the plan's,
+  unused).
 
   On platforms whose XLA has no ragged-all-to-all (CPU), the exchange is an emulation with
   the same semantics built from `lax.all_to_all` of padded buffers
