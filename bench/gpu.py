@@ -14,8 +14,8 @@ and forward+backward (y, dx, dw), and one dense [M, D] @ [D, F] matmul (cuBLAS t
 with its backward: speed/dense is the dense time over the backend's, both medians of calls
 timed in turns (a PyTorch call ends with `torch.cuda.synchronize()`).
 `--sweep` times `mosaic_gpu_gmm` forward and forward+backward with each block config of
-`SWEEP` (uniform sizes). Nothing is estimated: every figure is a wall-clock time on the GPU
-found.
+`SWEEP` (uniform sizes), each config's outputs (y; y, dx and dw) checked against the first
+config's that ran. Nothing is estimated: every figure is a wall-clock time on the GPU found.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ gmm_lib = importlib.import_module("moe_shard.kernels.grouped_matmul")
 
 SHAPE = (32768, 2048, 4096)  # M, D, F; `--shape` sets them
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); the first is the default.
+# The shared memory of a config: max_concurrent_steps x (block_m x block_k + block_k x
+# block_n) x 2 bytes of bf16, and the block_m x block_n output tile: at most 227 KiB on Hopper.
 SWEEP = [
   (128, 128, 64, 4, 1),
   (128, 128, 64, 4, 2),
@@ -46,6 +48,10 @@ SWEEP = [
   (64, 128, 64, 4, 1),
   (64, 256, 64, 4, 1),
   (128, 128, 128, 2, 1),
+  (64, 256, 64, 4, 2),
+  (64, 256, 64, 4, 4),
+  (128, 256, 64, 3, 1),
+  (64, 256, 128, 2, 1),
 ]
 
 
@@ -80,6 +86,9 @@ def _dense():
 
 
 def _max_err(got, want):
+  """max |got - want| over max(1, max |want|); for tuples (y, dx, dw) the largest of these."""
+  if isinstance(want, (tuple, list)):
+    return max(_max_err(g, w) for g, w in zip(got, want, strict=True))
   got, want = (
     torch_peer.to_numpy(a) if hasattr(a, "detach") else np.asarray(a, np.float32)
     for a in (got, want)
@@ -159,12 +168,16 @@ def sweep(groups, repeats, on_row=print):
   for G in groups:
     x, w, dy = _inputs(G)
     gs = jnp.asarray(group_sizes(G, "uniform", num_rows=SHAPE[0]))
+    refs = {}  # per pass, the first config's outputs (y; y, dx, dw) that ran
     for cfg in SWEEP:
       blocks = gmm_gpu.BlockConfig(*cfg)
       progs = _programs(None, lambda x, w, gs, b=blocks: gmm_gpu.mosaic_gpu_gmm(x, w, gs, blocks=b))
       for mode in ("fwd", "fwd+bwd"):
         row = dict(G=G, skew="uniform", impl="mosaic_gpu " + "/".join(map(str, cfg)), mode=mode)
-        _measure(row, progs[mode], dense[mode], (x, w, gs, dy), repeats)
+        out = _measure(row, progs[mode], dense[mode], (x, w, gs, dy), repeats, refs.get(mode))
+        if mode not in refs and out is not None:
+          refs[mode] = out
+          row["max_err_vs_first"] = 0.0
         on_row(row)
 
 
@@ -260,7 +273,8 @@ def _write(a, argv, info, rows):
       f"{info.get('torch', '')}. M={SHAPE[0]}, D={SHAPE[1]}, F={SHAPE[2]}, bfloat16. "
       f"{what}speed/dense: the time of one dense "
       "[M, D] @ [D, F] matmul (fwd) or its fwd+bwd over the backend's. max err vs "
-      "first: the forward's largest difference from the first impl's, over max|y|."
+      "first: the forward's largest difference from the first impl's, over max|y|"
+      f"{'; in a sweep, also of dx and dw (fwd+bwd) from the first config' if a.sweep else ''}."
       "\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n"
     )
 

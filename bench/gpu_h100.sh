@@ -4,6 +4,7 @@
 #   bash bench/gpu_h100.sh            # on the GPU machine, from the repository root
 #   bash bench/gpu_h100.sh --smoke    # on a CPU: tiny shapes, results in a temporary folder
 #   bash bench/gpu_h100.sh --dry-run  # print the steps and their time limits, run nothing
+#   bash bench/gpu_h100.sh --levers   # instead, the grouped matmul's levers (below)
 #
 # Steps, each under its own time limit (a stuck step loses its own rows only):
 #   1. tests/test_gpu.py, test_tokamax.py, test_torch_peer.py      -> gpu_TAG_tests.log
@@ -13,6 +14,10 @@
 #      torch_moe, ragged_all_to_all (1x1 mesh), dense_limit, matmul_limit
 #                                         -> gpu_TAG_layer.{json,md}, gpu_TAG_layer_e64.*
 #   4. the summary (`python -m bench.gpu_summary`): the ratios issue 37 asks for.
+# --levers runs, in under 8 minutes: mosaic_gpu's block sweep at G = 8, 32, 128, each config
+# checked against the first (gpu_TAG_sweep.*); auto, tokamax and torch._grouped_mm
+# (gpu_TAG_gmm_levers.*); the layer at E=8 with auto, ragged_all_to_all on the 1x1 mesh and
+# torch_moe (gpu_TAG_layer_levers.*).
 # Results go to bench/results/ (RESULTS overrides) and, where $OUT is set (the device
 # tool), to $OUT as well. tokamax travels as wheels in .whl/ (bench/gpu_wheels.sh fetches
 # them here); where they are missing its rows say why.
@@ -67,6 +72,21 @@ if [ "$MODE" != --dry-run ]; then
   "$PY" -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
   "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())" 2>&1 | tail -1
   "$PY" -c "import tokamax; print('tokamax imports')" 2>&1 | tail -1
+fi
+
+# --levers: the grouped matmul's gap to torch._grouped_mm, in one command under 8 minutes.
+if [ "$MODE" = --levers ]; then
+  # 1. mosaic_gpu's block configs (bench.gpu SWEEP), each checked against the first config.
+  step 280 sweep "$PY" -m bench.gpu --sweep 8,32,128 --repeats 5 --out "$RESULTS/gpu_${TAG}_sweep"
+  # 2. tokamax's ragged_dot beside auto and torch._grouped_mm.
+  step 60 gmm "$PY" -m bench.gpu --groups 8,32,128 --impls auto,tokamax,torch --sizes uniform \
+    --repeats 10 --out "$RESULTS/gpu_${TAG}_gmm_levers"
+  # 3. ragged_all_to_all on the 1x1 mesh (the local path there) against auto and torch_moe.
+  step 120 "layer E=8" "$PY" -m bench -T 32768 -D 2048 -F 4096 -E 8 --dtype bfloat16 \
+    --levels layer --modes fwd,fwd_bwd --repeats 5 --mesh 1x1 \
+    --impls auto,ragged_all_to_all,torch_moe --no-progress --out "$RESULTS/gpu_${TAG}_layer_levers"
+  [ -n "${OUT:-}" ] && cp "$RESULTS"/gpu_"$TAG"_{sweep,gmm_levers,layer_levers}.{json,md} "$OUT"/
+  exit 0
 fi
 
 # 1. Tests. XLA's GEMM autotuning only picks faster kernels: off for the tests' compiles.

@@ -67,3 +67,27 @@ def test_summary_reads_the_ratios(tmp_path):
 def test_summary_without_results(tmp_path):
   text = gpu_summary.summary(str(tmp_path))
   assert "grouped matmul: no results file" in text and "layer: no results file" in text
+
+
+def test_sweep_checks_every_config_against_the_first(monkeypatch):
+  """`python -m bench.gpu --sweep` on CPU, the Mosaic kernel replaced by `lax.ragged_dot`
+  (one config's by a wrong product): every row carries its error against the first config,
+  forward and forward+backward, and the wrong config's is large."""
+  import jax
+
+  from bench import gpu
+
+  def fake_gmm(x, w, gs, blocks):
+    y = jax.lax.ragged_dot(x, w, gs)
+    return 2 * y if blocks == gpu.gmm_gpu.BlockConfig(*gpu.SWEEP[1]) else y
+
+  monkeypatch.setattr(gpu, "SHAPE", (64, 16, 32))
+  monkeypatch.setattr(gpu.gmm_gpu, "mosaic_gpu_gmm", fake_gmm)
+  monkeypatch.setattr(gpu, "SWEEP", gpu.SWEEP[:3])
+  rows = []
+  gpu.sweep([4], repeats=1, on_row=rows.append)
+  assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd"] * 3
+  assert all("error" not in r for r in rows), rows
+  errs = [r["max_err_vs_first"] for r in rows]
+  assert errs[:2] == [0.0, 0.0] and errs[4:] == [0.0, 0.0], errs
+  assert min(errs[2:4]) > 0.5, errs  # 2y against y; its dx and dw twice as large too
