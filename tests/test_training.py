@@ -13,6 +13,7 @@ is jitted once per run; the two blocks (causal attention + MoE, pre-norm residua
 """
 
 import dataclasses
+import fcntl
 import functools
 import os
 import subprocess
@@ -187,7 +188,9 @@ def all_runs():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """`all_runs()` in a fresh Python process (this file run as a script), retried once if
-  that process dies by a signal.
+  that process dies by a signal; once per pytest run: under xdist the first worker to get
+  here runs it, holding a lock in the run's shared temporary folder, and the other reads its
+  file (each worker would otherwise train the same models again).
 
   Why a process of its own: in 2 of 5 runs of the whole suite the test worker died in this
   fixture; the one whose output showed why died of a segmentation fault inside XLA:CPU's
@@ -197,7 +200,24 @@ def runs(tmp_path_factory):
   retry, reported on stderr, instead of the worker; a failure of any other kind (an
   exception, wrong losses) fails the test as before.
   """
-  out = tmp_path_factory.mktemp("training") / "runs.npz"
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):  # basetemp is the worker's; its parent the run's
+    shared = shared.parent
+  out = shared / "test_training_runs.npz"
+  with open(shared / "test_training_runs.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not out.is_file():
+      _train_in_a_process(out)
+  with np.load(out) as f:
+    return dict(
+      one_device=(f["one_losses"], f["one_load"]),
+      mesh=(f["mesh_losses"], f["mesh_load"]),
+      reference=f["reference"],
+    )
+
+
+def _train_in_a_process(out):
+  """Runs this file as a script writing `out`, once more if the process dies by a signal."""
   for attempt in (1, 2):
     proc = subprocess.run(
       [sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=1200
@@ -210,12 +230,6 @@ def runs(tmp_path_factory):
       file=sys.stderr,
     )
   assert proc.returncode == 0, f"training process failed:\n{proc.stdout}\n{proc.stderr}"
-  with np.load(out) as f:
-    return dict(
-      one_device=(f["one_losses"], f["one_load"]),
-      mesh=(f["mesh_losses"], f["mesh_load"]),
-      reference=f["reference"],
-    )
 
 
 @pytest.mark.parametrize("run", ["one_device", "mesh"])
