@@ -26,7 +26,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float
 
-from moe_shard import _checks, local, parallel
+from moe_shard import _checks, local, parallel, plan
 from moe_shard.sharding import auto, axis_size
 
 if TYPE_CHECKING:  # config.py imports this module
@@ -126,17 +126,35 @@ DISPATCHES: dict[str, Dispatch] = {
 # `auto_impl`): the layer is bound by reading the experts' weights there, and the fixed-size
 # exchange needs fewer collectives than the ragged one.
 DECODE_TOKENS = 64
+# ...while all_to_all's receive buffer holds at most this many rows per local expert per byte
+# of a weight element: its matmuls cost 2 FLOPs per row and weight, the read of the weights
+# their bytes, and this is about half the FLOPs per HBM byte where TPU v5e (240) and an H100
+# (295) turn compute-bound, so the buffer's padded rows cost no time. Past it (one int8
+# expert per chip at 64 tokens: 256 rows for 128 routed, compiled for TPU v5e 2.0x the
+# routed FLOPs against the ragged dispatch's 1.4x) the padding is paid in FLOPs.
+DECODE_ROWS_PER_WEIGHT_BYTE = 128
+# Bytes of one weight element as held, per `MoEConfig.weights_format` (mxfp4: half a byte of
+# code and an 8-bit scale per 32 elements).
+WEIGHT_BYTES = {"int8": 1.0, "fp8": 1.0, "mxfp4": 0.5 + 1 / 32}
 
 
-def auto_impl(platform: str, expert_devices: int, tokens: int | None = None) -> str:
+def auto_impl(
+  platform: str,
+  expert_devices: int,
+  tokens: int | None = None,
+  *,
+  rows_per_expert: float | None = None,
+  weight_bytes: float = 2.0,
+) -> str:
   """The rule of `impl="auto"`: the dispatch for a platform, expert axis and token count.
 
   - One device on the expert axis (or no mesh): "ragged_dot".
-  - At most `DECODE_TOKENS` tokens per device (decode): "all_to_all". Few tokens per chip
-    make the layer a read of the experts' weights; all_to_all's padded slots cost no time
-    there, its exchange is one `lax.all_to_all` each way after one `pmax`, where the ragged
-    dispatch first exchanges its queue counts and offsets, and its receive buffer holds
-    every routing in one round at up to `plan.DECODE_ROWS` rows.
+  - At most `DECODE_TOKENS` tokens per device (decode), and all_to_all's receive buffer at
+    most `DECODE_ROWS_PER_WEIGHT_BYTE * weight_bytes` rows per local expert: "all_to_all".
+    Few tokens per chip make the layer a read of the experts' weights; all_to_all's padded
+    slots cost no time there, its exchange is one `lax.all_to_all` each way after one
+    `pmax`, where the ragged dispatch first exchanges its queue counts and offsets, and its
+    receive buffer holds every routing in one round at up to `plan.DECODE_ROWS` rows.
   - Else "ragged_all_to_all" where XLA has the ragged-all-to-all collective (TPU, CUDA and
     ROCm GPUs: `parallel.RAGGED_PLATFORMS`), exact in bytes and padding; "all_to_all"
     elsewhere (CPU).
@@ -147,13 +165,21 @@ def auto_impl(platform: str, expert_devices: int, tokens: int | None = None) -> 
     expert_devices: N, devices on the expert axis.
     tokens: tokens per device (T over the mesh's size), or None (default: not known; the
       rule for many tokens).
+    rows_per_expert: rows of all_to_all's first receive buffer per local expert at these
+      tokens (`choose_impl` computes them), or None (default: not known; decode sizes take
+      all_to_all).
+    weight_bytes: bytes of one expert weight element as held (default 2.0, bfloat16;
+      `WEIGHT_BYTES` for the quantized formats).
 
   Returns:
     A name of `DISPATCHES`.
   """
   if expert_devices <= 1:
     return "ragged_dot"
-  if tokens is not None and tokens <= DECODE_TOKENS:
+  pays_no_flops = (
+    rows_per_expert is None or rows_per_expert <= DECODE_ROWS_PER_WEIGHT_BYTE * weight_bytes
+  )
+  if tokens is not None and tokens <= DECODE_TOKENS and pays_no_flops:
     return "all_to_all"
   return "ragged_all_to_all" if platform in parallel.RAGGED_PLATFORMS else "all_to_all"
 
@@ -171,10 +197,13 @@ def choose_impl(
 
   Returns:
     `cfg.impl` unless it is "auto" (a name of `DISPATCHES`, or the user's function); for
-    "auto", `auto_impl` of the mesh's platform, the size of its `cfg.expert_axis` and
-    `tokens`: "ragged_dot" without an expert axis of several devices; "all_to_all" at up
-    to `DECODE_TOKENS` tokens per device; else "ragged_all_to_all" if the mesh's devices
-    are TPUs or GPUs (XLA has ragged-all-to-all there) and "all_to_all" otherwise (CPU).
+    "auto", `auto_impl` of the mesh's platform, the size of its `cfg.expert_axis`,
+    `tokens`, the rows per local expert of all_to_all's first receive buffer
+    (`plan.default_chunks`) and the bytes of a weight element (`cfg.weights_format`, else
+    `cfg.param_dtype`): "ragged_dot" without an expert axis of several devices;
+    "all_to_all" at up to `DECODE_TOKENS` tokens per device while that buffer's matmuls
+    cost less than reading the weights; else "ragged_all_to_all" if the mesh's devices are
+    TPUs or GPUs (XLA has ragged-all-to-all there) and "all_to_all" otherwise (CPU).
     The platform is the mesh's devices' (`jax.default_backend()` says "cpu" on a CPU host
     compiling ahead of time for TPU devices).
 
@@ -187,7 +216,14 @@ def choose_impl(
     return cfg.impl
   if mesh is None:
     return "ragged_dot"
-  return auto_impl(_platform(mesh), axis_size(mesh, cfg.expert_axis), tokens)
+  n = axis_size(mesh, cfg.expert_axis)
+  rows = None
+  if tokens is not None and n > 1:
+    chunks = plan.default_chunks(tokens, cfg.top_k, n, cfg.chunk_size)
+    rows = chunks.first * n / (cfg.num_experts / n)
+  fmt = cfg.weights_format
+  weight_bytes = cfg.param_dtype.itemsize if fmt is None else WEIGHT_BYTES[fmt]
+  return auto_impl(_platform(mesh), n, tokens, rows_per_expert=rows, weight_bytes=weight_bytes)
 
 
 def _platform(mesh):

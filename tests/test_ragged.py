@@ -12,6 +12,7 @@ The helpers of `tests/test_parallel.py` (meshes, cached references, jitted `run`
 reused, so each (mesh, shape, capacity) compiles once for every routing.
 """
 
+import dataclasses
 import functools
 import math
 import re
@@ -42,6 +43,7 @@ from test_parallel import (
 )
 
 import moe_shard as ms
+from moe_shard import plan
 from moe_shard.parallel import ragged_all_to_all_emulated
 
 
@@ -449,10 +451,50 @@ def test_auto_rule(platform, expert_devices, tokens, want):
   assert auto_impl(platform, expert_devices, tokens) == want
 
 
+@pytest.mark.parametrize(
+  "rows, weight_bytes, want",
+  [
+    (256, 2.0, "all_to_all"),  # one bf16 expert a chip at 64 tokens (Mixtral, K=2): 128 * 2
+    (257, 2.0, "ragged_all_to_all"),
+    (256, 1.0, "ragged_all_to_all"),  # the same in int8: the padded rows cost FLOPs
+    (128, 1.0, "all_to_all"),
+    (48, 0.5 + 1 / 32, "all_to_all"),  # 16 mxfp4 experts a chip
+  ],
+)
+def test_auto_rule_at_decode_weighs_the_buffer_against_the_weights(rows, weight_bytes, want):
+  from moe_shard.dispatch import DECODE_ROWS_PER_WEIGHT_BYTE, auto_impl
+
+  assert DECODE_ROWS_PER_WEIGHT_BYTE == 128
+  got = auto_impl("tpu", 8, 64, rows_per_expert=rows, weight_bytes=weight_bytes)
+  assert got == want
+  # Past DECODE_TOKENS the buffer does not matter; on CPU there is no ragged collective.
+  assert auto_impl("tpu", 8, 65, rows_per_expert=1, weight_bytes=weight_bytes) == (
+    "ragged_all_to_all"
+  )
+  assert auto_impl("cpu", 8, 64, rows_per_expert=rows, weight_bytes=weight_bytes) == ("all_to_all")
+
+
 def test_choose_impl_takes_tokens_per_device():
   cfg = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2)
   assert ms.choose_impl(cfg, mesh("8x1-auto"), tokens=8) == "all_to_all"
   assert ms.choose_impl(cfg, tokens=8) == "ragged_dot"
+
+
+def test_choose_impl_at_decode_counts_the_buffer_rows_and_weight_bytes():
+  # A Mixtral-like layer, one expert a chip: all_to_all's first receive buffer holds
+  # 8 x plan.padded_load(64 * 2 / 8) = 8 x 32 = 256 rows at 64 tokens per chip.
+  pytest.importorskip("libtpu")
+  from bench import tpu
+
+  tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")).reshape(8, 1), (ms.EXPERT, ms.DATA))
+  cfg = ms.MoEConfig(d_model=128, d_ff=128, num_experts=8, top_k=2, param_dtype=jnp.bfloat16)
+  assert plan.default_chunks(64, 2, 8).first * 8 == 256
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=64) == "all_to_all"  # 256 <= 128 x 2 bytes
+  int8 = dataclasses.replace(cfg, weights_format="int8")
+  assert ms.choose_impl(int8, tpu_mesh, tokens=64) == "ragged_all_to_all"  # 256 > 128 x 1
+  assert ms.choose_impl(int8, tpu_mesh, tokens=8) == "all_to_all"  # 128 rows
+  f32 = dataclasses.replace(cfg, param_dtype=jnp.float32)
+  assert ms.choose_impl(f32, tpu_mesh, tokens=64) == "all_to_all"
   named = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2, impl="ragged_all_to_all")
   assert ms.choose_impl(named, mesh("8x1-auto"), tokens=8) == "ragged_all_to_all"  # as named
   with pytest.raises(ValueError, match=re.escape("choose_impl: tokens must be >= 0 (got -1)")):
