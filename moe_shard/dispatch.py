@@ -126,12 +126,13 @@ DISPATCHES: dict[str, Dispatch] = {
 # `auto_impl`): the layer is bound by reading the experts' weights there, and the fixed-size
 # exchange needs fewer collectives than the ragged one.
 DECODE_TOKENS = 64
-# ...while all_to_all's receive buffer holds at most this many rows per local expert per byte
-# of a weight element: its matmuls cost 2 FLOPs per row and weight, the read of the weights
-# their bytes, and this is about half the FLOPs per HBM byte where TPU v5e (240) and an H100
-# (295) turn compute-bound, so the buffer's padded rows cost no time. Past it (one int8
-# expert per chip at 64 tokens: 256 rows for 128 routed, compiled for TPU v5e 2.0x the
-# routed FLOPs against the ragged dispatch's 1.4x) the padding is paid in FLOPs.
+# At decode sizes "auto" keeps "all_to_all" only while its receive buffer holds at most this
+# many rows per local expert per byte of a weight element: its matmuls cost 2 FLOPs per row
+# and weight, the read of the weights their bytes, and this is about half the FLOPs per HBM
+# byte where TPU v5e (240) and an H100 (295) turn compute-bound, so the buffer's padded rows
+# cost no time. Past it (one int8 expert per chip at 64 tokens: 256 rows for 128 routed,
+# compiled for TPU v5e 2.0x the routed FLOPs against the ragged dispatch's 1.4x) the padding
+# is paid in FLOPs.
 DECODE_ROWS_PER_WEIGHT_BYTE = 128
 # Bytes of one weight element as held, per `MoEConfig.weights_format` (mxfp4: half a byte of
 # code and an 8-bit scale per 32 elements).
