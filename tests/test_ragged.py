@@ -471,13 +471,25 @@ def test_auto_rule_at_decode_weighs_the_buffer_against_the_weights(rows, weight_
   assert auto_impl("tpu", 8, 65, rows_per_expert=1, weight_bytes=weight_bytes) == (
     "ragged_all_to_all"
   )
-  assert auto_impl("cpu", 8, 64, rows_per_expert=rows, weight_bytes=weight_bytes) == ("all_to_all")
+  assert auto_impl("cpu", 8, 64, rows_per_expert=rows, weight_bytes=weight_bytes) == "all_to_all"
 
 
 def test_choose_impl_takes_tokens_per_device():
   cfg = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2)
   assert ms.choose_impl(cfg, mesh("8x1-auto"), tokens=8) == "all_to_all"
   assert ms.choose_impl(cfg, tokens=8) == "ragged_dot"
+  named = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2, impl="ragged_all_to_all")
+  assert ms.choose_impl(named, mesh("8x1-auto"), tokens=8) == "ragged_all_to_all"  # as named
+  with pytest.raises(ValueError, match=re.escape("choose_impl: tokens must be >= 0 (got -1)")):
+    ms.choose_impl(cfg, mesh("8x1-auto"), tokens=-1)
+  with pytest.raises(TypeError, match=re.escape("choose_impl: tokens must be an int (got 1.5)")):
+    ms.choose_impl(cfg, mesh("8x1-auto"), tokens=1.5)
+  pytest.importorskip("libtpu")
+  from bench import tpu
+
+  tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")), (ms.EXPERT,))
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=64) == "all_to_all"
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=65) == "ragged_all_to_all"
 
 
 def test_choose_impl_at_decode_counts_the_buffer_rows_and_weight_bytes():
@@ -495,18 +507,6 @@ def test_choose_impl_at_decode_counts_the_buffer_rows_and_weight_bytes():
   assert ms.choose_impl(int8, tpu_mesh, tokens=8) == "all_to_all"  # 128 rows
   f32 = dataclasses.replace(cfg, param_dtype=jnp.float32)
   assert ms.choose_impl(f32, tpu_mesh, tokens=64) == "all_to_all"
-  named = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2, impl="ragged_all_to_all")
-  assert ms.choose_impl(named, mesh("8x1-auto"), tokens=8) == "ragged_all_to_all"  # as named
-  with pytest.raises(ValueError, match=re.escape("choose_impl: tokens must be >= 0 (got -1)")):
-    ms.choose_impl(cfg, mesh("8x1-auto"), tokens=-1)
-  with pytest.raises(TypeError, match=re.escape("choose_impl: tokens must be an int (got 1.5)")):
-    ms.choose_impl(cfg, mesh("8x1-auto"), tokens=1.5)
-  pytest.importorskip("libtpu")
-  from bench import tpu
-
-  tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")), (ms.EXPERT,))
-  assert ms.choose_impl(cfg, tpu_mesh, tokens=64) == "all_to_all"
-  assert ms.choose_impl(cfg, tpu_mesh, tokens=65) == "ragged_all_to_all"
 
 
 @pytest.mark.parametrize("tokens, ragged", [(8 * 8, False), (8 * 65, True)])
