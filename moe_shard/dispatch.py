@@ -26,7 +26,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float
 
-from moe_shard import _checks, local, parallel, plan
+from moe_shard import _checks, local, parallel, plan, quant
 from moe_shard.sharding import auto, axis_size
 
 if TYPE_CHECKING:  # config.py imports this module
@@ -134,9 +134,6 @@ DECODE_TOKENS = 64
 # compiled for TPU v5e 2.0x the routed FLOPs against the ragged dispatch's 1.4x) the padding
 # is paid in FLOPs.
 DECODE_ROWS_PER_WEIGHT_BYTE = 128
-# Bytes of one weight element as held, per `MoEConfig.weights_format` (mxfp4: half a byte of
-# code and an 8-bit scale per 32 elements).
-WEIGHT_BYTES = {"int8": 1.0, "fp8": 1.0, "mxfp4": 0.5 + 1 / 32}
 
 
 def auto_impl(
@@ -170,7 +167,7 @@ def auto_impl(
       tokens (`choose_impl` computes them), or None (default: not known; decode sizes take
       all_to_all).
     weight_bytes: bytes of one expert weight element as held (default 2.0, bfloat16;
-      `WEIGHT_BYTES` for the quantized formats).
+      `quant.ELEMENT_BYTES` for the quantized formats).
 
   Returns:
     A name of `DISPATCHES`.
@@ -223,7 +220,7 @@ def choose_impl(
     chunks = plan.default_chunks(tokens, cfg.top_k, n, cfg.chunk_size)
     rows = chunks.first * n / (cfg.num_experts / n)
   fmt = cfg.weights_format
-  weight_bytes = cfg.param_dtype.itemsize if fmt is None else WEIGHT_BYTES[fmt]
+  weight_bytes = cfg.param_dtype.itemsize if fmt is None else quant.ELEMENT_BYTES[fmt]
   return auto_impl(_platform(mesh), n, tokens, rows_per_expert=rows, weight_bytes=weight_bytes)
 
 

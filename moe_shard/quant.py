@@ -46,6 +46,9 @@ FORMATS = ("int8", "fp8", "mxfp4")
 # Rows (input channels) x columns (output channels) of one scale, per format; None: the
 # whole axis. The values' storage rows per logical row: 1/2 for mxfp4's packed codes.
 BLOCKS = {"int8": (None, 1), "fp8": (128, 128), "mxfp4": (32, 1)}
+# Bytes held per element of the matrix, values and scales (int8's and fp8's scales round to
+# nothing; mxfp4: half a byte of code and an 8-bit scale per 32 elements).
+ELEMENT_BYTES = {"int8": 1.0, "fp8": 1.0, "mxfp4": 0.5 + 1 / 32}
 INT8_MAX = 127.0
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 FP4_MAX = 6.0
