@@ -14,7 +14,7 @@
 #      torch_moe, ragged_all_to_all (1x1 mesh), dense_limit, matmul_limit
 #                                         -> gpu_TAG_layer.{json,md}, gpu_TAG_layer_e64.*
 #   4. the summary (`python -m bench.gpu_summary`): the ratios issue 37 asks for.
-# --levers runs, in under 8 minutes: mosaic_gpu's block sweep at G = 8, 32, 128, each config
+# --levers runs, in under 9 minutes: mosaic_gpu's block sweep at G = 8, 32, 128, each config
 # checked against the first (gpu_TAG_sweep.*); auto, tokamax and torch._grouped_mm
 # (gpu_TAG_gmm_levers.*); the layer at E=8 with auto, ragged_all_to_all on the 1x1 mesh and
 # torch_moe (gpu_TAG_layer_levers.*).
@@ -74,10 +74,10 @@ if [ "$MODE" != --dry-run ]; then
   "$PY" -c "import tokamax; print('tokamax imports')" 2>&1 | tail -1
 fi
 
-# --levers: the grouped matmul's gap to torch._grouped_mm, in one command under 8 minutes.
+# --levers: the grouped matmul's gap to torch._grouped_mm, in one command under 9 minutes.
 if [ "$MODE" = --levers ]; then
   # 1. mosaic_gpu's block configs (bench.gpu SWEEP), each checked against the first config.
-  step 280 sweep "$PY" -m bench.gpu --sweep 8,32,128 --repeats 5 --out "$RESULTS/gpu_${TAG}_sweep"
+  step 340 sweep "$PY" -m bench.gpu --sweep 8,32,128 --repeats 5 --out "$RESULTS/gpu_${TAG}_sweep"
   # 2. tokamax's ragged_dot beside auto and torch._grouped_mm.
   step 60 gmm "$PY" -m bench.gpu --groups 8,32,128 --impls auto,tokamax,torch --sizes uniform \
     --repeats 10 --out "$RESULTS/gpu_${TAG}_gmm_levers"
