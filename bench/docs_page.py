@@ -43,6 +43,10 @@ SECTIONS = {
   "gpu_h200_gmm": "Grouped matmul against torch._grouped_mm on one H200",
   "gpu_h200_layer": "The layer against a PyTorch MoE layer on one H200, E=8",
   "gpu_h200_layer_e64": "The layer against a PyTorch MoE layer on one H200, E=64",
+  "gpu_h200_sweep": "Mosaic GPU block sweep on one H200",
+  "gpu_h200_gmm_default": "Grouped matmul with its default blocks against torch._grouped_mm, H200",
+  "gpu_h200_gmm_levers": "tokamax's ragged_dot against auto and torch._grouped_mm on one H200",
+  "gpu_h200_layer_levers": "ragged_all_to_all on a 1x1 mesh against the local path, one H200",
   "tpu_v5e_2x4_step": "The layer's training step compiled for TPU v5e 2x4",
   "tpu_v6e_2x4_step": "The layer's training step compiled for TPU v6e 2x4",
   "tpu_v5e_2x4_maxtext": "MaxText's RoutedMoE, the peer, compiled for TPU v5e 2x4",
@@ -128,6 +132,24 @@ NOTES = {
     "fails under jax 0.11.2; `bench/gpu_wheels.sh` now fetches 0.0.17."
   ),
   "gpu_h100_sweep": "Block configs: block_m/block_n/block_k/max_concurrent_steps/grid_block_n.",
+  "gpu_h200_sweep": (
+    "Run by `bash bench/gpu_h100.sh --levers`. Block configs: block_m/block_n/block_k/"
+    "max_concurrent_steps/grid_block_n. The step's 340 s limit stopped it within G=128, after "
+    "the fourth config's forward."
+  ),
+  "gpu_h200_gmm_default": (
+    "`kernels.gpu.default_blocks` with grid_block_n = 4 (128/128/64/4/4), chosen from "
+    "`gpu_h200_sweep`; the `gpu_h200_gmm` rows ran with grid_block_n = 1."
+  ),
+  "gpu_h200_gmm_levers": (
+    "Run by `bash bench/gpu_h100.sh --levers`, with grid_block_n = 1. tokamax 0.0.17 ran with "
+    "its heuristic config (no autotuning). The step's 60 s limit ended it while compiling "
+    "G=128's `auto`: that G has no rows."
+  ),
+  "gpu_h200_layer_levers": (
+    "Run by `bash bench/gpu_h100.sh --levers`, with grid_block_n = 1: `ragged_all_to_all` on "
+    "the 1x1 mesh takes the local path (no exchange)."
+  ),
   "tpu_v5e_ragged": (
     "The first version of the ragged dispatch: overflow rounds as large as round 0 and "
     "XLA's byte count with each loop body once."
@@ -173,8 +195,8 @@ means: `python -m bench --help`, and the [TPU and GPU guide](guides/tpu_gpu.md).
     compiled program and the routing: the same in every run of one tree and JAX version.
   - TPU estimates are computed, not timed: the same on every run of one tree, JAX and
     libtpu version.
-  - GPU times are medians of one run on one H100, each program timed in turns with its
-    dense baseline; no spread over runs is recorded.
+  - GPU times are medians of one run on one H100 or H200, each program timed in turns with
+    its dense baseline; no spread over runs is recorded.
 - Every TPU figure is a compile-time estimate for the slice named: the program is compiled
   ahead of time on a CPU host and nothing runs.
 - *efficiency* is the dense limit's time over the row's (the routed FLOPs as plain dense

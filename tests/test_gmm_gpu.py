@@ -306,9 +306,15 @@ def test_bf16_scan_over_expert_parallel_layers_grad(fake_sm_count, devices, impl
 
 def test_default_blocks_and_padding():
   blocks = gmm_gpu.default_blocks(32768, 2048, 4096, jnp.bfloat16, num_groups=8)
-  assert blocks == gmm_gpu.BlockConfig(128, 128, 64, 4, 1)
+  assert blocks == gmm_gpu.BlockConfig(128, 128, 64, 4, 4)
   assert gmm_gpu.padded_sizes(32768, 2048, 4096, blocks) == (32768, 2048, 4096)
+  # The snake is as wide as D and F allow without padding them past multiples of 128.
+  assert gmm_gpu.default_blocks(64, 1280, 768, jnp.bfloat16).grid_block_n == 2
+  for D, F in ((1408, 4096), (2048, 1408), (40, 72)):
+    blocks = gmm_gpu.default_blocks(64, D, F, jnp.bfloat16)
+    assert blocks == gmm_gpu.BlockConfig(128, 128, 64, 4, 1)
   assert gmm_gpu.padded_sizes(45, 40, 72, blocks) == (128, 128, 128)
+  assert gmm_gpu.default_blocks(64, 2048, 4096, jnp.float16).block_k == 64
 
 
 @pytest.mark.parametrize(
