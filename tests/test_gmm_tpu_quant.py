@@ -267,3 +267,20 @@ def test_weights_stay_in_hbm_for_tpu_v5e():
   kernels = re.findall(r'"bytes_accessed":"(\d+)"', text)
   w_bytes = G_ * D_ * D_ + G_ * D_ * 4
   assert kernels and all(int(b) == w_bytes + 2 * M_ * D_ * 2 for b in kernels), kernels
+
+
+def test_mxfp4_forward_splits_x_in_one_pass_for_tpu_v5e():
+  """The mxfp4 forward takes x's even and odd columns (against w's low and high nibbles) as
+  two strided slices of x: no [M, D/2, 2] array, whose minor dimension of 2 XLA lays out as
+  a relayout copy of x on TPU."""
+  mesh, sds = _v5e_chip()
+  M_, D_, F_, G_ = 64, 1024, 256, 2
+  q = _abstract_weights(sds, (G_, D_, F_), "mxfp4")
+  gmm = functools.partial(
+    tpu_quant.quantized_gmm, vmem_limit_bytes=gmm_tpu.vmem_limit(mesh.devices.flat[0].device_kind)
+  )
+  text = jax.jit(gmm).lower(sds((M_, D_), jnp.bfloat16), q, sds((G_,), jnp.int32)).compile()
+  text = text.as_text()
+  assert 'custom_call_target="tpu_custom_call"' in text
+  assert not re.findall(rf"bf16\[{M_},{D_ // 2},2\]", text)
+  assert len(re.findall(rf"bf16\[{M_},{D_ // 2}\]", text)) >= 2  # the two halves

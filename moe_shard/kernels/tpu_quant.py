@@ -356,8 +356,7 @@ def _call(lay, x_RK, values, scales, group_sizes_G, vmem_limit_bytes, interpret)
     xs = (x_RK,)
     x_block = (tm, tk)
   else:  # mxfp4 forward: x's even and odd columns, against the even and odd rows of w
-    x_RH2 = x_RK.reshape(R, D // 2, 2)
-    xs = (x_RH2[..., 0], x_RH2[..., 1])
+    xs = (x_RK[:, 0::2], x_RK[:, 1::2])
     x_block = (tm, tk // 2)
   x_spec = pl.BlockSpec(x_block, lambda n, g, k, meta: (m_tile(n, g, k, meta), k))
   values_spec = pl.BlockSpec(
