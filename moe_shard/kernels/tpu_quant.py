@@ -33,9 +33,9 @@ Per format, the blocks of one w region [d rows, f columns] (d along D, f along F
     XLA bitcast outside the kernel would copy w).
   * mxfp4: byte row i holds logical rows 2i (low nibble) and 2i + 1 (high nibble), so the
     block decodes into two planes [d/2, f], the even and the odd rows, and the dot is split
-    into x_even @ even + x_odd @ odd, x's columns de-interleaved outside the kernel (an XLA
-    copy of the activations: Mosaic has no strided store of 16-bit rows that would
-    interleave the planes in VMEM). The transposed kernel writes the even and odd output
+    into x_even @ even + x_odd @ odd, x's columns de-interleaved outside the kernel (two
+    strided slices of the activations, one XLA pass: Mosaic has no strided store of 16-bit
+    rows that would interleave the planes in VMEM). The transposed kernel writes the even and odd output
     columns as two arrays, interleaved outside. Each scale covers 16 packed rows; the u8
     scales block is converted whole to a float32 scratch, whose 8-row tiles a chunk of 128
     packed rows can index (Mosaic loads u8 rows in 32-row tiles, and fetches whole ones:
