@@ -201,6 +201,15 @@ def parser():
     "(jit_gshard_einsum, dense_limit, matmul_limit, torch_moe) run for the float one",
   )
   p.add_argument(
+    "--param-layout",
+    choices=("default", "program"),
+    default="default",
+    help="with --tpu: the layer's parameters (the kernel level's w) in the device's default "
+    "layouts (the default), or in the layouts the compiled program picks (Layout.AUTO), as "
+    "held after jax.device_put(params, compiled.input_formats[0][0]); rows say so in their "
+    "weights column",
+  )
+  p.add_argument(
     "--expert-type",
     choices=("swiglu", "clamped_swiglu"),
     help="layer level: the experts' FFN (MoEConfig.expert_type; default swiglu; "
@@ -319,6 +328,8 @@ def settings(a):
   s["dtype"] = a.dtype or ("bfloat16" if a.tpu else "float32")
   if a.hbm_table and not a.tpu:
     raise UsageError("--hbm-table needs --tpu (it reads a compiled TPU program)")
+  if a.param_layout != "default" and not a.tpu:
+    raise UsageError("--param-layout needs --tpu (host and GPU programs take the default)")
   if a.hbm_table < 0:
     raise UsageError(f"--hbm-table must be >= 0 (got {a.hbm_table})")
   if a.capacity_factor <= 0:

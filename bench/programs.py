@@ -354,6 +354,18 @@ def programs_and_args(case, impl):
   return _dispatch_programs(case, impl), case.args
 
 
+def in_program_layout(program, args, index):
+  """`program` (a `jax.jit` function) with the arrays of argument `index` in the layouts its
+  compiled program picks (`Layout.AUTO`), as a server holds its weights after
+  `jax.device_put(params, compiled.input_formats[0][index])`; the other arguments keep
+  their shardings and the default layouts. `args`: ShapeDtypeStructs with shardings."""
+  from jax.experimental.layout import Format, Layout
+
+  shardings = [jax.tree.map(lambda a: a.sharding, arg) for arg in args]
+  shardings[index] = jax.tree.map(lambda a: Format(Layout.AUTO, a.sharding), args[index])
+  return jax.jit(program.__wrapped__, in_shardings=tuple(shardings))
+
+
 def _dispatch_programs(case, impl):
   mesh = case.mesh
   dispatch = BENCH_IMPLS[impl].resolve(case.size)

@@ -19,8 +19,10 @@ def _ms(t):
 
 def weights(row):
   """The row's routed-expert matrices: its `weights_format`, or (rows from before the
-  field) its dtype."""
-  return row.get("weights_format", row.get("dtype"))
+  field) its dtype; ", program's layout" where the parameters were held in the layouts the
+  compiled program picked (`--param-layout program`)."""
+  fmt = row.get("weights_format", row.get("dtype"))
+  return f"{fmt}, program's layout" if row.get("param_layout") == "program" else fmt
 
 
 def quantized_rows(rows):
@@ -34,7 +36,7 @@ def float_only_note(rows):
     return ""
   by = {}
   for r in rows:
-    by.setdefault(r["impl"], set()).add(weights(r) != r.get("dtype"))
+    by.setdefault(r["impl"], set()).add(r.get("weights_format", r["dtype"]) != r.get("dtype"))
   only = [i for i, q in by.items() if q == {False}]
   if not only:
     return ""

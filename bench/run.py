@@ -260,7 +260,11 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
         continue
       t0 = time.perf_counter()
       try:
-        compiled = fns[mode].lower(*args).compile()
+        program = fns[mode]
+        if a.param_layout == "program" and args is case.args:
+          program = progs.in_program_layout(program, args, 0 if level == "layer" else 1)
+          base["param_layout"] = "program"
+        compiled = program.lower(*args).compile()
       except Exception as err:
         case_rows.append(dict(base, error=_one_line(err)))
         bar.step(f"failed {level} E={E} {routing} {impl} {mode}")

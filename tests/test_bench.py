@@ -531,6 +531,21 @@ def test_tpu_compile_for_v5e(capsys):
   assert "roofline" in out and "all_to_all" in out
 
 
+def test_tpu_compile_in_the_programs_layouts(tmp_path, capsys):
+  """`--param-layout program`: w in the layouts the compiled program picks; the rows say so,
+  and off a TPU the flag is refused."""
+  pytest.importorskip("libtpu")
+  argv = ["--tpu", "v5e:2x4", "-T", "512", "-D", "128", "-F", "256", "-E", "8"]
+  argv += ["--levels", "kernel", "--impls", "all_to_all", "--modes", "fwd", "--no-progress"]
+  out = tmp_path / "r.json"
+  assert cli.main([*argv, "--param-layout", "program", "--json", str(out)]) == 0
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["param_layout"] == "program" and "error" not in row
+  assert "| bfloat16, program's layout |" in capsys.readouterr().out
+  assert cli.main(["--param-layout", "program", "--no-progress"]) == 2
+  assert "--param-layout needs --tpu" in capsys.readouterr().err
+
+
 def test_tpu_estimates_use_cited_peaks():
   pytest.importorskip("libtpu")
   from bench import tpu

@@ -1,6 +1,7 @@
 """The benchmark's bound (`bench/bound.py`) and model presets (`bench/models.py`)."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -213,3 +214,37 @@ def test_results_files_merge_with_every_command(tmp_path, capsys):
   md = (tmp_path / "merged.md").read_text()
   assert "`python -m bench --preset mixtral-8x7b`\n\n`python -m bench --preset qwen3" in md
   assert "| model | level |" in md and "| qwen3-30b-a3b | layer |" in md
+
+
+def test_program_layout_spares_the_copy_of_gpt_oss_mxfp4_scales():
+  """gpt-oss-120b's MXFP4 gate on one of 8 chips (16 experts, D=2880), narrowed to F=256:
+  scales u8[16, 90, F]. The device's default layout of that shape puts the 90 rows
+  outermost, and the kernel copies the scales into row-major order on every call; held in
+  the layouts the compiled program picks (`--param-layout program`), the program has no
+  such copy."""
+  pytest.importorskip("libtpu")
+  from jax.experimental import topologies
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from moe_shard.kernels import tpu as gmm_tpu
+  from moe_shard.kernels import tpu_quant
+
+  dev = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices[0]
+  mesh = jax.sharding.Mesh(np.array([dev]), ("x",))
+  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
+  G, D, F, M = 16, 2880, 256, 64
+  w = jax.eval_shape(lambda: ms.quant.quantize(jax.numpy.zeros((G, D, F)), "mxfp4"))
+  assert w.scales.shape == (G, D // 32, F)
+  args = (sds(jax.ShapeDtypeStruct((M, D), "bfloat16")), jax.tree.map(sds, w))
+  args += (sds(jax.ShapeDtypeStruct((G,), "int32")),)
+  gmm = jax.jit(
+    lambda x, w, gs: tpu_quant.quantized_gmm(
+      x, w, gs, vmem_limit_bytes=gmm_tpu.vmem_limit(dev.device_kind)
+    )
+  )
+  copies = lambda program: re.findall(
+    rf"u8\[{G},{D // 32},{F}\]\{{[^}}]*\}} copy\(", program.lower(*args).compile().as_text()
+  )
+  assert copies(gmm)  # the default layouts: the scales copied before the kernel
+  assert not copies(progs.in_program_layout(gmm, args, 1))
