@@ -80,13 +80,13 @@ def default_blocks(M, D, F, dtype, *, num_groups=1):
   Rule: block_m = block_n = 128 (two 64-row warpgroup MMAs by a 128-wide tile), block_k =
   128 bytes of the dtype (64 elements: one 128-byte swizzled shared-memory row),
   max_concurrent_steps = 4 (4 steps of 128x64 + 64x128 bf16 = 128 KiB of the 227 KiB of
-  shared memory, with the 32 KiB output tile), and grid_block_n = 4 (the tile order's snake 4
-  output tiles wide, for L2 reuse), or the widest of 2 and 1 that D and F
-  allow without padding (both multiples of 128 * grid_block_n; 1 otherwise). In the block
-  sweep on an H200 (bench/results/gpu_h200_sweep.md; every config's outputs identical),
-  128/128/64/4/4 was the fastest config at G = 8 and 32, and of the four that ran at G = 128:
-  1.20x, 1.22x and 1.12x the speed of grid_block_n = 1, forward+backward. The arguments are
-  the problem's; the rule reads D and F.
+  shared memory, with the 32 KiB output tile), and grid_block_n = 4 (the tile order's snake
+  4 output tiles wide, for L2 reuse), or 2 or 1, the widest that D and F allow without
+  padding (both multiples of 128 * grid_block_n). In the block sweep on an H200
+  (bench/results/gpu_h200_sweep.md; every config's outputs identical), 128/128/64/4/4 was
+  the fastest config at G = 8 and 32, and of the four that ran at G = 128: 1.20x, 1.22x and
+  1.12x the speed of grid_block_n = 1, forward+backward. The arguments are the problem's;
+  the rule reads D and F.
 
   Args:
     M, D, F: problem sizes (ints).

@@ -35,11 +35,11 @@ Per format, the blocks of one w region [d rows, f columns] (d along D, f along F
     block decodes into two planes [d/2, f], the even and the odd rows, and the dot is split
     into x_even @ even + x_odd @ odd, x's columns de-interleaved outside the kernel (two
     strided slices of the activations, one XLA pass: Mosaic has no strided store of 16-bit
-    rows that would interleave the planes in VMEM). The transposed kernel writes the even and odd output
-    columns as two arrays, interleaved outside. Each scale covers 16 packed rows; the u8
-    scales block is converted whole to a float32 scratch, whose 8-row tiles a chunk of 128
-    packed rows can index (Mosaic loads u8 rows in 32-row tiles, and fetches whole ones:
-    a D tile is D itself or a multiple of 1024).
+    rows that would interleave the planes in VMEM). The transposed kernel writes the even
+    and odd output columns as two arrays, interleaved outside. Each scale covers 16 packed
+    rows; the u8 scales block is converted whole to a float32 scratch, whose 8-row tiles a
+    chunk of 128 packed rows can index (Mosaic loads u8 rows in 32-row tiles, and fetches
+    whole ones: a D tile is D itself or a multiple of 1024).
   * The block is decoded in chunks of rows (`Layout.chunk_rows`), so the float32
     temporaries stay a few MiB whatever the tiles.
 
