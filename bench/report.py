@@ -17,11 +17,16 @@ def _ms(t):
   return f"{t * 1e3:.0f}" if t >= 0.01 else f"{t * 1e3:.2g}"
 
 
-def weights(row):
+def weights_format(row):
   """The row's routed-expert matrices: its `weights_format`, or (rows from before the
-  field) its dtype; ", program's layout" where the parameters were held in the layouts the
-  compiled program picked (`--param-layout program`)."""
-  fmt = row.get("weights_format", row.get("dtype"))
+  field) its dtype."""
+  return row.get("weights_format", row.get("dtype"))
+
+
+def weights(row):
+  """`weights_format(row)`, with ", program's layout" where the parameters were held in the
+  layouts the compiled program picked (`--param-layout program`)."""
+  fmt = weights_format(row)
   return f"{fmt}, program's layout" if row.get("param_layout") == "program" else fmt
 
 
@@ -36,7 +41,7 @@ def float_only_note(rows):
     return ""
   by = {}
   for r in rows:
-    by.setdefault(r["impl"], set()).add(r.get("weights_format", r["dtype"]) != r.get("dtype"))
+    by.setdefault(r["impl"], set()).add(weights_format(r) != r.get("dtype"))
   only = [i for i, q in by.items() if q == {False}]
   if not only:
     return ""

@@ -222,27 +222,18 @@ def test_program_layout_spares_the_copy_of_gpt_oss_mxfp4_scales():
   outermost, and the kernel copies the scales into row-major order on every call; held in
   the layouts the compiled program picks (`--param-layout program`), the program has no
   such copy."""
-  pytest.importorskip("libtpu")
-  from jax.experimental import topologies
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+  from test_gmm_tpu_quant import _abstract_weights, _v5e_chip
 
   from moe_shard.kernels import tpu as gmm_tpu
   from moe_shard.kernels import tpu_quant
 
-  dev = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices[0]
-  mesh = jax.sharding.Mesh(np.array([dev]), ("x",))
-  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
+  mesh, sds = _v5e_chip()
   G, D, F, M = 16, 2880, 256, 64
-  w = jax.eval_shape(lambda: ms.quant.quantize(jax.numpy.zeros((G, D, F)), "mxfp4"))
+  w = _abstract_weights(sds, (G, D, F), "mxfp4")
   assert w.scales.shape == (G, D // 32, F)
-  args = (sds(jax.ShapeDtypeStruct((M, D), "bfloat16")), jax.tree.map(sds, w))
-  args += (sds(jax.ShapeDtypeStruct((G,), "int32")),)
-  gmm = jax.jit(
-    lambda x, w, gs: tpu_quant.quantized_gmm(
-      x, w, gs, vmem_limit_bytes=gmm_tpu.vmem_limit(dev.device_kind)
-    )
-  )
+  args = (sds((M, D), "bfloat16"), w, sds((G,), "int32"))
+  limit = gmm_tpu.vmem_limit(mesh.devices.flat[0].device_kind)
+  gmm = jax.jit(lambda x, w, gs: tpu_quant.quantized_gmm(x, w, gs, vmem_limit_bytes=limit))
   copies = lambda program: re.findall(
     rf"u8\[{G},{D // 32},{F}\]\{{[^}}]*\}} copy\(", program.lower(*args).compile().as_text()
   )
