@@ -37,22 +37,25 @@ from moe_shard.kernels import gpu as gmm_gpu
 gmm_lib = importlib.import_module("moe_shard.kernels.grouped_matmul")
 
 SHAPE = (32768, 2048, 4096)  # M, D, F; `--shape` sets them
-# (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); the first is the default.
-# The shared memory of a config: max_concurrent_steps x (block_m x block_k + block_k x
-# block_n) x 2 bytes of bf16, and the block_m x block_n output tile: at most 227 KiB on Hopper.
+_WS = dict(warp_specialized=True)
+# Block configs of `mosaic_gpu_gmm`; the first is the default, the others checked against it.
+# Shared memory: max_concurrent_steps x (a CTA tile's block_m x block_k + block_k x its
+# columns) x 2 bytes of bf16 and the epilogue's tiles, at most 227 KiB on Hopper. A
+# warp-specialized CTA tile is block_m x 2 * block_n (dw: 2 * block_m x block_n).
 SWEEP = [
-  (128, 128, 64, 4, 1),
-  (128, 128, 64, 4, 2),
-  (128, 128, 64, 4, 4),
-  (128, 128, 64, 5, 1),
-  (64, 128, 64, 4, 1),
-  (64, 256, 64, 4, 1),
-  (128, 128, 128, 2, 1),
-  (64, 256, 64, 4, 2),
-  (64, 256, 64, 4, 4),
-  (128, 256, 64, 3, 1),
-  (64, 256, 128, 2, 1),
+  gmm_gpu.BlockConfig(128, 128, 64, 4, 4, epi_block_n=64, **_WS),
+  gmm_gpu.BlockConfig(128, 128, 64, 4, 4),  # JAX's single-warpgroup kernels
+  gmm_gpu.BlockConfig(128, 128, 64, 4, 8, epi_block_n=64, **_WS),
+  gmm_gpu.BlockConfig(128, 128, 64, 3, 4, **_WS),
+  gmm_gpu.BlockConfig(128, 128, 128, 2, 4, epi_block_n=64, **_WS),
 ]
+
+
+def config_name(b):
+  """A sweep row's name: kernels, block_m/block_n/block_k/max_concurrent_steps/grid_block_n,
+  and the warp-specialized epilogue's columns."""
+  sizes = "/".join(str(v) for v in b.kwargs().values())
+  return f"ws {sizes} e{b.epi_block_n or b.block_n}" if b.warp_specialized else f"jax {sizes}"
 
 
 def _backend(impl):
@@ -162,22 +165,32 @@ def run(groups, impls, repeats, on_row=print, skews=("uniform", "skewed")):
           on_row(row)
 
 
-def sweep(groups, repeats, on_row=print):
-  """`mosaic_gpu_gmm` with each block config of SWEEP, fwd and fwd+bwd, uniform sizes."""
+def sweep(groups, repeats, on_row=print, peer=True):
+  """`mosaic_gpu_gmm` with each block config of SWEEP, fwd and fwd+bwd, uniform sizes, and
+  (`peer`) `torch._grouped_mm` on the same values where PyTorch sees a GPU."""
   dense = _dense()
   for G in groups:
     x, w, dy = _inputs(G)
     gs = jnp.asarray(group_sizes(G, "uniform", num_rows=SHAPE[0]))
     refs = {}  # per pass, the first config's outputs (y; y, dx, dw) that ran
-    for cfg in SWEEP:
-      blocks = gmm_gpu.BlockConfig(*cfg)
+    for blocks in SWEEP:
       progs = _programs(None, lambda x, w, gs, b=blocks: gmm_gpu.mosaic_gpu_gmm(x, w, gs, blocks=b))
       for mode in ("fwd", "fwd+bwd"):
-        row = dict(G=G, skew="uniform", impl="mosaic_gpu " + "/".join(map(str, cfg)), mode=mode)
+        row = dict(G=G, skew="uniform", impl=config_name(blocks), mode=mode)
         out = _measure(row, progs[mode], dense[mode], (x, w, gs, dy), repeats, refs.get(mode))
         if mode not in refs and out is not None:
           refs[mode] = out
           row["max_err_vs_first"] = 0.0
+        on_row(row)
+    if peer:
+      try:
+        progs, args = torch_peer.grouped_mm_programs(x, w, gs, dy)
+      except torch_peer.NotRun as err:
+        on_row(dict(G=G, skew="uniform", impl="torch", mode="fwd", error=f"not run: {err}"))
+        continue
+      for mode in ("fwd", "fwd+bwd"):
+        row = dict(G=G, skew="uniform", impl="torch", mode=mode)
+        _measure(row, progs[mode], dense[mode], args, repeats, dense_args=(x, w, gs, dy))
         on_row(row)
 
 
@@ -260,8 +273,9 @@ def _write(a, argv, info, rows):
   with open(a.out + ".json", "w") as f:
     json.dump(dict(info=info, argv=argv, rows=rows), f, indent=1)
   what = (
-    "mosaic_gpu_gmm with each block config (block_m/block_n/block_k/"
-    "max_concurrent_steps/grid_block_n), uniform sizes. "
+    "mosaic_gpu_gmm with each block config (jax: JAX's kernels, ws: the warp-specialized "
+    "ones; block_m/block_n/block_k/max_concurrent_steps/grid_block_n, and the epilogue's "
+    "columns), uniform sizes, and torch._grouped_mm. "
     if a.sweep
     else ""
   )

@@ -55,38 +55,25 @@ def _reference(x, w, sizes, dy):
 # --------------------------------------------------------------------------- stand-ins
 
 
-def _fake_ragged_dot(
-  lhs,
-  rhs,
-  *,
-  group_sizes,
-  block_m,
-  block_n,
-  block_k,
-  max_concurrent_steps,
-  grid_block_n,
-  transpose_rhs=False,
-):
-  del max_concurrent_steps
+def _fake_row_kernel(lhs, rhs, group_sizes, blocks, transpose_rhs=False):
   assert lhs.dtype == rhs.dtype, (lhs.dtype, rhs.dtype)
   (m, k), (_, k2, n) = lhs.shape, rhs.shape
   if transpose_rhs:
     k2, n = n, k2
-  assert k == k2 and k % block_k == 0, (k, k2, block_k)
-  assert n % (block_n * grid_block_n) == 0 and m % block_m == 0, (m, n)
+  cols = blocks.block_n * (2 if blocks.warp_specialized else blocks.grid_block_n)
+  assert k == k2 and k % blocks.block_k == 0, (k, k2, blocks)
+  assert n % cols == 0 and m % blocks.block_m == 0, (m, n, blocks)
   rhs = rhs.swapaxes(1, 2) if transpose_rhs else rhs
   y = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
   rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0) < jnp.sum(group_sizes)
   return jnp.where(rows, y, jnp.nan).astype(lhs.dtype)  # rows past the groups: unwritten
 
 
-def _fake_transposed_ragged_dot(
-  lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n
-):
-  del max_concurrent_steps, grid_block_n
+def _fake_dw_kernel(lhs, rhs, group_sizes, blocks):
   assert lhs.dtype == rhs.dtype
   (k, m), (k2, n) = lhs.shape, rhs.shape
-  assert k == k2 and k % block_k == 0 and m % block_m == 0 and n % block_n == 0
+  rows = blocks.block_m * (2 if blocks.warp_specialized else 1)
+  assert k == k2 and k % blocks.block_k == 0 and m % rows == 0 and n % blocks.block_n == 0
   ends = jnp.cumsum(group_sizes)
   ids_K = jnp.searchsorted(ends, jnp.arange(k), side="right")
   onehot_GK = (ids_K[None] == jnp.arange(len(group_sizes))[:, None]).astype(jnp.float32)
@@ -97,12 +84,9 @@ def _fake_transposed_ragged_dot(
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-  fakes = (
-    types.SimpleNamespace(ragged_dot=_fake_ragged_dot),
-    types.SimpleNamespace(transposed_ragged_dot=_fake_transposed_ragged_dot),
-  )
-  monkeypatch.setattr(gmm_gpu, "_kernels", lambda: fakes)
-  monkeypatch.setattr(gmm_gpu, "_default_device_is_a_gpu", lambda: True)
+  """Both kernel families (JAX's and the warp-specialized) replaced by stand-ins."""
+  monkeypatch.setattr(gmm_gpu, "_row_kernel", _fake_row_kernel)
+  monkeypatch.setattr(gmm_gpu, "_dw_kernel", _fake_dw_kernel)
   jax.clear_caches()  # no trace of the real kernels is reused, nor kept for later tests
   yield
   jax.clear_caches()
@@ -240,27 +224,35 @@ def _kernels_traced(fn, *args):
   return names.count("wgmma_ref"), names.count("ragged_dot_general")
 
 
-def _loss(impl):
+JAX_KERNELS = gmm_gpu.BlockConfig(grid_block_n=1)  # JAX's single-warpgroup kernels
+
+
+def _loss(impl, blocks=None):
   x, w, _ = _inputs(96, 32, 48, 8, jnp.bfloat16)
   sizes = jnp.asarray(CASES["empty_groups_rows_past"][3], jnp.int32)
-  fn = jax.grad(
-    lambda x, w: jnp.sum(ms.grouped_matmul(x, w, sizes, impl=impl).astype(jnp.float32)), (0, 1)
-  )
+  if impl == "blocks":
+    mm = lambda x, w: gmm_gpu.mosaic_gpu_gmm(x, w, sizes, blocks=blocks)
+  else:
+    mm = lambda x, w: ms.grouped_matmul(x, w, sizes, impl=impl)
+  fn = jax.grad(lambda x, w: jnp.sum(mm(x, w).astype(jnp.float32)), (0, 1))
   return fn, x, w
 
 
 def test_kernels_trace_on_cpu():
-  """fwd and dx trace as Mosaic GPU kernels; dw (needing an SM count) as the fallback."""
-  assert _kernels_traced(*_loss("mosaic_gpu")) == (2, 1)
+  """The warp-specialized kernels (the default) trace anywhere: fwd and dx one MMA each,
+  dw one per consumer warpgroup's half. JAX's: fwd and dx; dw (needing an SM count) as
+  the fallback."""
+  assert _kernels_traced(*_loss("mosaic_gpu")) == (4, 0)
+  assert _kernels_traced(*_loss("blocks", JAX_KERNELS)) == (2, 1)
 
 
 def test_all_three_kernels_trace_with_an_sm_count(fake_sm_count):
-  assert _kernels_traced(*_loss("mosaic_gpu")) == (3, 0)
+  assert _kernels_traced(*_loss("blocks", JAX_KERNELS)) == (3, 0)
 
 
 def test_auto_traces_the_cuda_branch_and_runs_tiled_on_cpu():
   fn, x, w = _loss("auto")
-  assert _kernels_traced(fn, x, w)[0] == 2
+  assert _kernels_traced(fn, x, w)[0] == 4
   got = jax.jit(fn)(x, w)
   want = jax.jit(_loss("tiled")[0])(x, w)
   for g, v in zip(got, want):
@@ -306,15 +298,53 @@ def test_bf16_scan_over_expert_parallel_layers_grad(fake_sm_count, devices, impl
 
 def test_default_blocks_and_padding():
   blocks = gmm_gpu.default_blocks(32768, 2048, 4096, jnp.bfloat16, num_groups=8)
-  assert blocks == gmm_gpu.BlockConfig(128, 128, 64, 4, 4)
+  assert blocks == gmm_gpu.BlockConfig(128, 128, 64, 4, 4, warp_specialized=True, epi_block_n=64)
   assert gmm_gpu.padded_sizes(32768, 2048, 4096, blocks) == (32768, 2048, 4096)
-  # The snake is as wide as D and F allow without padding them past multiples of 128.
-  assert gmm_gpu.default_blocks(64, 1280, 768, jnp.bfloat16).grid_block_n == 2
-  for D, F in ((1408, 4096), (2048, 1408), (40, 72)):
-    blocks = gmm_gpu.default_blocks(64, D, F, jnp.bfloat16)
-    assert blocks == gmm_gpu.BlockConfig(128, 128, 64, 4, 1)
-  assert gmm_gpu.padded_sizes(45, 40, 72, blocks) == (128, 128, 128)
+  # A CTA tile of the warp-specialized kernels is 256 wide (dw: 256 rows of D).
+  assert gmm_gpu.padded_sizes(45, 40, 72, blocks) == (128, 256, 256)
+  assert gmm_gpu.padded_sizes(64, 1408, 1408, blocks) == (128, 1536, 1536)
   assert gmm_gpu.default_blocks(64, 2048, 4096, jnp.float16).block_k == 64
+  # JAX's kernels: the snake's width divides the output columns.
+  assert gmm_gpu.padded_sizes(45, 40, 72, JAX_KERNELS) == (128, 128, 128)
+  wide = dataclasses.replace(JAX_KERNELS, grid_block_n=4)
+  assert gmm_gpu.padded_sizes(64, 1280, 768, wide) == (128, 1536, 1024)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_warp_specialized_tile_lists(seed):
+  """The tiles `gpu_ws.ragged_dot` visits cover each group's rows once, no tile empty; the
+  steps of `transposed_ragged_dot` keep exactly each group's rows (an empty group: one step,
+  all rows masked), on sizes with empty groups, shared and exact tiles, rows past the groups."""
+  from moe_shard.kernels import gpu_ws
+
+  rng = np.random.default_rng(seed)
+  for bm in (8, 16, 64):
+    G, m = int(rng.integers(1, 12)), bm * int(rng.integers(1, 6))
+    sizes = rng.integers(0, 2 * bm, G) * (rng.random(G) < 0.7)
+    sizes[0] = bm * (seed % 2)  # an exact tile, or an empty first group
+    sizes = np.diff(np.minimum(np.cumsum(sizes), m), prepend=0)
+    want = np.repeat(np.arange(G), sizes)
+    tiles = np.asarray(gpu_ws.row_tiles(jnp.asarray(sizes, jnp.int32), m, bm))
+    num, tiles_T4 = tiles[0], tiles[1:].reshape(-1, 4)
+    assert len(tiles_T4) == -(-m // bm) + G - 1 and not tiles_T4[num:].any()
+    got = np.full(m, -1)
+    for g, b, start, size in tiles_T4[:num]:
+      assert size > 0 and start >= 0 and start + size <= bm
+      rows = np.arange(b * bm + start, b * bm + start + size)
+      assert (got[rows] == -1).all()
+      got[rows] = g
+    np.testing.assert_array_equal(got[: len(want)], want)
+    assert (got[len(want) :] == -1).all()
+    steps = np.asarray(gpu_ws.group_steps(jnp.asarray(sizes, jnp.int32), m, bm))
+    for g, (first, count, lo, hi) in enumerate(steps):
+      assert count >= 1 and first >= 0 and first + count <= m // bm
+      kept = [
+        (first + s) * bm + r
+        for s in range(count)
+        for r in range(bm)
+        if not (s == 0 and r < lo) and not (s == count - 1 and r >= hi)
+      ]
+      np.testing.assert_array_equal(kept, np.flatnonzero(want == g))
 
 
 @pytest.mark.parametrize(
@@ -334,6 +364,12 @@ def test_default_blocks_and_padding():
       ((4, 8), jnp.bfloat16, (2, 8, 4), (2,)),
       ValueError,
       "blocks must be",
+    ),
+    (
+      {"blocks": gmm_gpu.BlockConfig(warp_specialized=True, epi_block_n=48)},
+      ((4, 8), jnp.bfloat16, (2, 8, 4), (2,)),
+      ValueError,
+      "blocks must be .*epi_block_n None or a divisor of block_n",
     ),
     (
       {"preferred_element_type": jnp.int32},
@@ -357,3 +393,4 @@ def test_errors(kwargs, args, exc, match):
 def test_block_config_is_hashable_and_replaceable():
   b = dataclasses.replace(gmm_gpu.BlockConfig(), block_m=64)
   assert hash(b) == hash(gmm_gpu.BlockConfig(block_m=64)) and b.kwargs()["block_m"] == 64
+  assert "warp_specialized" not in b.kwargs()  # what JAX's kernels take

@@ -154,13 +154,28 @@ MOSAIC_CASES = {
 }
 
 
-# Every case in bfloat16; float16 (the same kernels at another dtype) on two of them.
+# The kernels: the default (warp-specialized, `kernels.gpu_ws`), JAX's single-warpgroup
+# kernels, and the warp-specialized ones with a 3-step pipeline and one 128-column epilogue.
+def _blocks(name):
+  from moe_shard.kernels import gpu as gmm_gpu
+
+  return {
+    "default": None,
+    "jax": gmm_gpu.BlockConfig(grid_block_n=1),
+    "ws_3_steps": gmm_gpu.BlockConfig(
+      max_concurrent_steps=3, grid_block_n=2, warp_specialized=True
+    ),
+  }[name]
+
+
+# Every case in bfloat16 with each kernel; float16 (the same kernels at another dtype) on
+# two of them with the default.
 @pytest.mark.parametrize(
-  ("case", "dtype"),
-  [(case, "bfloat16") for case in MOSAIC_CASES]
-  + [("empty_groups_rows_past", "float16"), ("odd_d_f_clipped", "float16")],
+  ("case", "dtype", "kernels"),
+  [(case, "bfloat16", k) for case in MOSAIC_CASES for k in ("default", "jax", "ws_3_steps")]
+  + [("empty_groups_rows_past", "float16", "default"), ("odd_d_f_clipped", "float16", "default")],
 )
-def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype):
+def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype, kernels):
   from moe_shard.kernels import gpu as gmm_gpu
 
   M, D, F, sizes = MOSAIC_CASES[case]
@@ -168,10 +183,13 @@ def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype):
   x = jnp.asarray(rng.normal(size=(M, D)), dtype)
   w = jnp.asarray(rng.normal(size=(len(sizes), D, F)) / np.sqrt(D), dtype)
   dy = jnp.asarray(rng.normal(size=(M, F)), dtype)
+  blocks = _blocks(kernels)
 
   @jax.jit
   def run(x, w, dy):
-    y, vjp = jax.vjp(lambda x, w: gmm_gpu.mosaic_gpu_gmm(x, w, jnp.asarray(sizes)), x, w)
+    y, vjp = jax.vjp(
+      lambda x, w: gmm_gpu.mosaic_gpu_gmm(x, w, jnp.asarray(sizes), blocks=blocks), x, w
+    )
     return y, *vjp(dy)
 
   got = run(x, w, dy)
@@ -180,7 +198,9 @@ def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype):
   for what, g, want in zip(("y", "dx", "dw"), got, _gmm_reference(x, w, clipped, dy)):
     assert g.dtype == jnp.dtype(dtype) and g.shape == want.shape
     # float16 (10-bit mantissa) to bfloat16's tolerance
-    assert_close(g.astype(jnp.float32), want, jnp.bfloat16, err_msg=f"{case} {dtype} {what}")
+    assert_close(
+      g.astype(jnp.float32), want, jnp.bfloat16, err_msg=f"{case} {dtype} {kernels} {what}"
+    )
   assert not np.any(np.asarray(got[0][ends[-1] :], np.float32))  # zeros, not unwritten rows
   assert not np.any(np.asarray(got[1][ends[-1] :], np.float32))
 

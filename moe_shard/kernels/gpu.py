@@ -47,6 +47,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from moe_shard.kernels import gpu_ws
 from moe_shard.kernels.pallas import (
   check_inputs,
   clip_group_sizes,
@@ -62,31 +63,41 @@ DTYPES = (jnp.bfloat16, jnp.float16)  # what the kernels' warpgroup MMAs take he
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-  """The kernels' tile sizes (the same for forward, dx and dw; see the module doc)."""
+  """The kernels' tile sizes (the same for forward, dx and dw; see the module doc).
+
+  warp_specialized: JAX's single-warpgroup kernels (False) or `kernels.gpu_ws` (True),
+  whose CTA holds two consumer warpgroups of block_m x block_n each (a CTA tile of
+  block_m x 2 * block_n; dw: 2 * block_m x block_n) and a producer. There grid_block_n is
+  the snake's width in CTA tiles and epi_block_n (default None: block_n) the columns of
+  each epilogue store.
+  """
 
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
   max_concurrent_steps: int = 4
   grid_block_n: int = 1
+  warp_specialized: bool = False
+  epi_block_n: int | None = None
 
   def kwargs(self):
-    return dataclasses.asdict(self)
+    """The arguments of JAX's `ragged_dot_mgpu` kernels."""
+    return {f: getattr(self, f) for f in _JAX_KERNEL_FIELDS}
+
+
+_JAX_KERNEL_FIELDS = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
 
 
 def default_blocks(M, D, F, dtype, *, num_groups=1):
   """The block config for x: dtype[M, D], w: dtype[G, D, F] on a Hopper GPU.
 
-  Rule: block_m = block_n = 128 (two 64-row warpgroup MMAs by a 128-wide tile), block_k =
-  128 bytes of the dtype (64 elements: one 128-byte swizzled shared-memory row),
-  max_concurrent_steps = 4 (4 steps of 128x64 + 64x128 bf16 = 128 KiB of the 227 KiB of
-  shared memory, with the 32 KiB output tile), and grid_block_n = 4 (the tile order's snake
-  4 output tiles wide, for L2 reuse), or 2 or 1, the widest that D and F allow without
-  padding (both multiples of 128 * grid_block_n). In the block sweep on an H200
-  (bench/results/gpu_h200_sweep.md; every config's outputs identical), 128/128/64/4/4 was
-  the fastest config at G = 8 and 32, and of the four that ran at G = 128: 1.20x, 1.22x and
-  1.12x the speed of grid_block_n = 1, forward+backward. The arguments are the problem's;
-  the rule reads D and F.
+  Rule: the warp-specialized kernels (`kernels.gpu_ws`), each consumer warpgroup a
+  block_m x block_n = 128 x 128 tile (two 64-row warpgroup MMAs by a 128-wide tile; a CTA
+  tile of 128 x 256, CUTLASS's cooperative tile), block_k = 128 bytes of the dtype (64
+  elements: one 128-byte swizzled shared-memory row), max_concurrent_steps = 4 (4 steps of
+  128x64 + 64x256 bf16 = 192 KiB of the 227 KiB of shared memory) with the epilogue in
+  64-column stores (2 x 16 KiB), and the tile order's snake 4 CTA tiles wide. The arguments
+  are the problem's; the rule reads the dtype.
 
   Args:
     M, D, F: problem sizes (ints).
@@ -96,24 +107,31 @@ def default_blocks(M, D, F, dtype, *, num_groups=1):
   Returns:
     BlockConfig.
   """
-  del M, num_groups
-  block_n = BlockConfig.block_n
-  fits = [g for g in (4, 2) if D % (block_n * g) == 0 and F % (block_n * g) == 0]
-  return BlockConfig(block_k=128 // jnp.dtype(dtype).itemsize, grid_block_n=(fits + [1])[0])
+  del M, D, F, num_groups
+  return BlockConfig(
+    block_k=128 // jnp.dtype(dtype).itemsize,
+    grid_block_n=4,
+    warp_specialized=True,
+    epi_block_n=64,
+  )
 
 
 def padded_sizes(M, D, F, blocks):
   """(Q, Dp, Fp): M, D, F rounded up to what the three kernels need with these blocks.
 
   Rows: the row tiles (block_m) and dw's contraction step (block_k). D: the forward's
-  contraction (block_k), dx's output columns (block_n * grid_block_n), dw's rows (block_m).
-  F: the forward's output columns (block_n * grid_block_n), dx's contraction (block_k).
+  contraction (block_k), dx's output columns (a CTA tile's columns), dw's rows (a CTA
+  tile's rows). F: the forward's output columns, dx's contraction (block_k), dw's columns.
+  JAX's kernels: a CTA tile is block_m x block_n and the snake's width (grid_block_n)
+  must divide the output columns; the warp-specialized ones: 2 * block_n columns (dw:
+  2 * block_m rows).
   """
   b = blocks
-  cols = b.block_n * b.grid_block_n
+  wide = 2 if b.warp_specialized else 1
+  cols = b.block_n * (wide if b.warp_specialized else b.grid_block_n)
   return (
     round_up(max(M, 1), math.lcm(b.block_m, b.block_k)),
-    round_up(D, math.lcm(b.block_k, cols, b.block_m)),
+    round_up(D, math.lcm(b.block_k, cols, b.block_m * wide)),
     round_up(F, math.lcm(cols, b.block_k)),
   )
 
@@ -132,11 +150,46 @@ def _default_device_is_a_gpu():
   return getattr(jax.devices()[0], "core_count", None) is not None
 
 
+def _num_sms():
+  """CTAs the warp-specialized kernels launch: the GPU's SM count (132 on an H100 or H200
+  SXM where the default device is not a GPU: the kernel is then only traced)."""
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def _row_kernel(lhs, rhs, group_sizes, blocks, transpose_rhs=False):
+  """lhs[rows of g] @ rhs[g] (rhs[g]^T with transpose_rhs) by the kernels `blocks` names."""
+  if blocks.warp_specialized:
+    return gpu_ws.ragged_dot(
+      lhs,
+      rhs,
+      group_sizes=group_sizes,
+      blocks=blocks,
+      num_sms=_num_sms(),
+      transpose_rhs=transpose_rhs,
+    )
+  rd, _ = _kernels()
+  return rd.ragged_dot(
+    lhs, rhs, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **blocks.kwargs()
+  )
+
+
+def _dw_kernel(x_QD, dy_QF, group_sizes_G, blocks):
+  """dw[g] = x[rows of g]^T @ dy[rows of g] by the kernels `blocks` names; empty groups
+  zero."""
+  if blocks.warp_specialized:
+    return gpu_ws.transposed_ragged_dot(
+      x_QD, dy_QF, group_sizes=group_sizes_G, blocks=blocks, num_sms=_num_sms()
+    )
+  if not _default_device_is_a_gpu():  # traced off a GPU (see the module doc): never run here
+    return _dw_reference(x_QD, dy_QF, group_sizes_G)
+  _, trd = _kernels()
+  return trd.transposed_ragged_dot(x_QD, dy_QF, group_sizes=group_sizes_G, **blocks.kwargs())
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(x_QD, w_GDF, group_sizes_G, blocks):
-  rd, _ = _kernels()
   with no_vma_check():
-    y_QF = rd.ragged_dot(x_QD, w_GDF, group_sizes=group_sizes_G, **blocks.kwargs())
+    y_QF = _row_kernel(x_QD, w_GDF, group_sizes_G, blocks)
   (y_QF,) = vary_like(varying_axes(x_QD), y_QF)
   return zero_past_groups(y_QF, group_sizes_G)
 
@@ -147,18 +200,12 @@ def _gmm_fwd(x_QD, w_GDF, group_sizes_G, blocks):
 
 def _gmm_bwd(blocks, res, dy_QF):
   x_QD, w_GDF, group_sizes_G = res
-  rd, trd = _kernels()
   dy_QF = dy_QF.astype(x_QD.dtype)  # the kernels take one dtype (f32 accumulation inside)
   with no_vma_check():
     # dx = dy @ w[g]^T: contraction over F, output columns over D.
-    dx_QD = rd.ragged_dot(
-      dy_QF, w_GDF, group_sizes=group_sizes_G, transpose_rhs=True, **blocks.kwargs()
-    )
+    dx_QD = _row_kernel(dy_QF, w_GDF, group_sizes_G, blocks, transpose_rhs=True)
     # dw[g] = x[rows of g]^T @ dy[rows of g]; empty groups written with zeros.
-    if _default_device_is_a_gpu():
-      dw_GDF = trd.transposed_ragged_dot(x_QD, dy_QF, group_sizes=group_sizes_G, **blocks.kwargs())
-    else:  # traced off a GPU (see the module doc): the same dw, never run here
-      dw_GDF = _dw_reference(x_QD, dy_QF, group_sizes_G)
+    dw_GDF = _dw_kernel(x_QD, dy_QF, group_sizes_G, blocks)
   dx_QD, dw_GDF = vary_like(varying_axes(x_QD), dx_QD, dw_GDF.astype(w_GDF.dtype))
   return zero_past_groups(dx_QD, group_sizes_G), dw_GDF, None
 
@@ -175,6 +222,10 @@ def _dw_reference(x_QD, dy_QF, group_sizes_G):
   return jax.lax.ragged_dot_general(
     x_QD, dy_QF, group_sizes_G, dims, preferred_element_type=jnp.float32
   ).astype(x_QD.dtype)
+
+
+def _positive_divisor(v, n):
+  return isinstance(v, int) and not isinstance(v, bool) and v > 0 and n % v == 0
 
 
 def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, blocks=None):
@@ -206,10 +257,18 @@ def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, b
   (M, D), (G, _, F) = x_MD.shape, w_GDF.shape
   if blocks is None:
     blocks = default_blocks(M, D, F, x_MD.dtype, num_groups=G)
-  if not isinstance(blocks, BlockConfig) or not all(
-    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in blocks.kwargs().values()
+  if (
+    not isinstance(blocks, BlockConfig)
+    or not all(
+      isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in blocks.kwargs().values()
+    )
+    or not isinstance(blocks.warp_specialized, bool)
+    or not (blocks.epi_block_n is None or _positive_divisor(blocks.epi_block_n, blocks.block_n))
   ):
-    raise ValueError(f"{fn}: blocks must be a BlockConfig of positive ints (got {blocks!r})")
+    raise ValueError(
+      f"{fn}: blocks must be a BlockConfig of positive ints, epi_block_n None or a divisor "
+      f"of block_n (got {blocks!r})"
+    )
   group_sizes_G = clip_group_sizes(group_sizes_G, M)
   x_MD, w_GDF, group_sizes_G = match_vma(x_MD, w_GDF.astype(x_MD.dtype), group_sizes_G)
   Q, Dp, Fp = padded_sizes(M, D, F, blocks)
