@@ -165,15 +165,26 @@ def _blocks(name):
     "ws_3_steps": gmm_gpu.BlockConfig(
       max_concurrent_steps=3, grid_block_n=2, warp_specialized=True
     ),
+    "transpose_w": gmm_gpu.BlockConfig(
+      grid_block_n=4, warp_specialized=True, epi_block_n=64, transpose_w=True
+    ),
   }[name]
 
 
-# Every case in bfloat16 with each kernel; float16 (the same kernels at another dtype) on
-# two of them with the default.
+# Every case in bfloat16 with the default and JAX's kernels, two with the other configs;
+# float16 (the same kernels at another dtype) on two with the default.
 @pytest.mark.parametrize(
   ("case", "dtype", "kernels"),
-  [(case, "bfloat16", k) for case in MOSAIC_CASES for k in ("default", "jax", "ws_3_steps")]
-  + [("empty_groups_rows_past", "float16", "default"), ("odd_d_f_clipped", "float16", "default")],
+  [(case, "bfloat16", k) for case in MOSAIC_CASES for k in ("default", "jax")]
+  + [
+    (case, dtype, k)
+    for case in ("many_groups", "odd_d_f_clipped")
+    for dtype, k in (
+      ("bfloat16", "ws_3_steps"),
+      ("bfloat16", "transpose_w"),
+      ("float16", "default"),
+    )
+  ],
 )
 def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype, kernels):
   from moe_shard.kernels import gpu as gmm_gpu

@@ -69,7 +69,8 @@ class BlockConfig:
   whose CTA holds two consumer warpgroups of block_m x block_n each (a CTA tile of
   block_m x 2 * block_n; dw: 2 * block_m x block_n) and a producer. There grid_block_n is
   the snake's width in CTA tiles and epi_block_n (default None: block_n) the columns of
-  each epilogue store.
+  each epilogue store. transpose_w: the forward multiplies by a copy of w transposed to
+  [G, F, D], so that its kernel reads w contraction-minor, as dx does (a pass over w).
   """
 
   block_m: int = 128
@@ -79,6 +80,7 @@ class BlockConfig:
   grid_block_n: int = 1
   warp_specialized: bool = False
   epi_block_n: int | None = None
+  transpose_w: bool = False
 
   def kwargs(self):
     """The arguments of JAX's `ragged_dot_mgpu` kernels."""
@@ -189,7 +191,10 @@ def _dw_kernel(x_QD, dy_QF, group_sizes_G, blocks):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(x_QD, w_GDF, group_sizes_G, blocks):
   with no_vma_check():
-    y_QF = _row_kernel(x_QD, w_GDF, group_sizes_G, blocks)
+    if blocks.transpose_w:
+      y_QF = _row_kernel(x_QD, w_GDF.swapaxes(1, 2), group_sizes_G, blocks, transpose_rhs=True)
+    else:
+      y_QF = _row_kernel(x_QD, w_GDF, group_sizes_G, blocks)
   (y_QF,) = vary_like(varying_axes(x_QD), y_QF)
   return zero_past_groups(y_QF, group_sizes_G)
 
@@ -263,6 +268,7 @@ def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, b
       isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in blocks.kwargs().values()
     )
     or not isinstance(blocks.warp_specialized, bool)
+    or not isinstance(blocks.transpose_w, bool)
     or not (blocks.epi_block_n is None or _positive_divisor(blocks.epi_block_n, blocks.block_n))
   ):
     raise ValueError(
