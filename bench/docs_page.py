@@ -43,7 +43,8 @@ SECTIONS = {
   "gpu_h200_gmm": "Grouped matmul against torch._grouped_mm on one H200",
   "gpu_h200_layer": "The layer against a PyTorch MoE layer on one H200, E=8",
   "gpu_h200_layer_e64": "The layer against a PyTorch MoE layer on one H200, E=64",
-  "gpu_h200_sweep": "Mosaic GPU block sweep on one H200",
+  "gpu_h200_sweep": "Mosaic GPU block sweep on one H200: warp-specialized and JAX's kernels",
+  "gpu_h200_sweep_transpose_w": "The warp-specialized forward with w transposed first, one H200",
   "gpu_h200_gmm_default": "Grouped matmul with its default blocks against torch._grouped_mm, H200",
   "gpu_h200_gmm_levers": "tokamax's ragged_dot against auto and torch._grouped_mm on one H200",
   "gpu_h200_layer_levers": "ragged_all_to_all on a 1x1 mesh against the local path, one H200",
@@ -122,35 +123,43 @@ NOTES = {
   ),
   **dict.fromkeys(
     ("gpu_h200_layer", "gpu_h200_layer_e64"),
-    "Run by `bash bench/gpu_h100.sh` on an H200 (which names its files after the card), "
-    "before the ragged dispatch ran the local path on a one-device expert axis: the "
-    "`ragged_all_to_all` row is XLA:GPU's ragged-all-to-all on the 1x1 mesh. The Mosaic GPU "
+    "Run by `bash bench/gpu_h100.sh` on an H200 (which names its files after the card), the "
+    "grouped matmul's kernels warp-specialized (`kernels/gpu_ws.py`). The Mosaic GPU "
     "kernels are custom calls, whose FLOPs XLA's cost analysis does not count (flops x 0.00). "
     "The rel err of the JAX rows (1.5e-2 and 1.9e-2, against 4.6e-3 for torch_moe) includes "
     "the tokens that XLA:GPU's default TF32 router logits send to another expert than the "
     "host's float32 routing; PyTorch computes float32 matmuls without TF32 by default.",
   ),
   "gpu_h200_gmm": (
-    "Run by `bash bench/gpu_h100.sh` on an H200. The tokamax rows did not run: tokamax 0.0.12 "
-    "fails under jax 0.11.2; `bench/gpu_wheels.sh` now fetches 0.0.17."
+    "Run by `bash bench/gpu_h100.sh` on an H200, the default kernels warp-specialized "
+    "(`kernels/gpu_ws.py`), in the same run as `gpu_h200_sweep`, `gpu_h200_layer` and "
+    "`gpu_h200_layer_e64`."
   ),
   "gpu_h100_sweep": "Block configs: block_m/block_n/block_k/max_concurrent_steps/grid_block_n.",
   "gpu_h200_sweep": (
-    "Run by `bash bench/gpu_h100.sh --levers`. Block configs: block_m/block_n/block_k/"
-    "max_concurrent_steps/grid_block_n. The step's 340 s limit stopped it within G=128, after "
-    "the fourth config's forward."
+    "Run by `bash bench/gpu_h100.sh` on an H200. ws: the warp-specialized kernels (each "
+    "consumer warpgroup's block_m/block_n, block_k, stages, snake width, epilogue columns); "
+    "jax: JAX's kernels (block_m/block_n/block_k/max_concurrent_steps/grid_block_n). The "
+    "step's 130 s limit stopped it within G=128, after the first config's forward."
+  ),
+  "gpu_h200_sweep_transpose_w": (
+    "A second run on the same H200, at commit f0b92c2: `wT` rows ran the forward on a copy "
+    "of w transposed to [G, F, D] (an option since removed: no faster at G=8, slower at "
+    "G=32 and 128). The step's limit stopped it within G=128."
   ),
   "gpu_h200_gmm_default": (
-    "`kernels.gpu.default_blocks` with grid_block_n = 4 (128/128/64/4/4), chosen from "
-    "`gpu_h200_sweep`; the `gpu_h200_gmm` rows ran with grid_block_n = 1."
+    "JAX's kernels with grid_block_n = 4 (128/128/64/4/4), their default before the "
+    "warp-specialized kernels, from an earlier run."
   ),
   "gpu_h200_gmm_levers": (
-    "Run by `bash bench/gpu_h100.sh --levers`, with grid_block_n = 1. tokamax 0.0.17 ran with "
+    "Run by an earlier `bash bench/gpu_h100.sh --levers` (JAX's kernels, grid_block_n = 1). "
+    "tokamax 0.0.17 ran with "
     "its heuristic config (no autotuning). The step's 60 s limit ended it while compiling "
     "G=128's `auto`: that G has no rows."
   ),
   "gpu_h200_layer_levers": (
-    "Run by `bash bench/gpu_h100.sh --levers`, with grid_block_n = 1: `ragged_all_to_all` on "
+    "Run by an earlier `bash bench/gpu_h100.sh --levers` (JAX's kernels, grid_block_n = 1): "
+    "`ragged_all_to_all` on "
     "the 1x1 mesh takes the local path (no exchange)."
   ),
   "tpu_v5e_ragged": (

@@ -44,8 +44,10 @@ _WS = dict(warp_specialized=True)
 # warp-specialized CTA tile is block_m x 2 * block_n (dw: 2 * block_m x block_n).
 SWEEP = [
   gmm_gpu.BlockConfig(128, 128, 64, 4, 4, epi_block_n=64, **_WS),
-  gmm_gpu.BlockConfig(128, 128, 64, 4, 4, epi_block_n=64, transpose_w=True, **_WS),
   gmm_gpu.BlockConfig(128, 128, 64, 4, 4),  # JAX's single-warpgroup kernels
+  gmm_gpu.BlockConfig(128, 128, 64, 4, 8, epi_block_n=64, **_WS),
+  gmm_gpu.BlockConfig(128, 128, 64, 3, 4, **_WS),
+  gmm_gpu.BlockConfig(128, 128, 128, 2, 4, epi_block_n=64, **_WS),
 ]
 
 
@@ -53,8 +55,7 @@ def config_name(b):
   """A sweep row's name: kernels, block_m/block_n/block_k/max_concurrent_steps/grid_block_n,
   and the warp-specialized epilogue's columns."""
   sizes = "/".join(str(v) for v in b.kwargs().values())
-  name = f"ws {sizes} e{b.epi_block_n or b.block_n}" if b.warp_specialized else f"jax {sizes}"
-  return name + " wT" if b.transpose_w else name
+  return f"ws {sizes} e{b.epi_block_n or b.block_n}" if b.warp_specialized else f"jax {sizes}"
 
 
 def _backend(impl):

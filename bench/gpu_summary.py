@@ -2,7 +2,7 @@
 
     python -m bench.gpu_summary RESULTS_DIR [--tests LOG]
 
-Reads `gpu_TAG_gmm.json` (`python -m bench.gpu`) and `gpu_TAG_layer*.json` (`python -m
+Reads `gpu_TAG_gmm.json` (`python -m bench.gpu`) and `gpu_TAG_layer{,_e64}.json` (`python -m
 bench`) in RESULTS_DIR and prints, from the rows of that one run:
 
   * grouped matmul: each backend's speed over `torch._grouped_mm`'s (time of torch / time
@@ -17,7 +17,6 @@ A row that did not run prints its reason. Nothing here measures or imports JAX.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -115,9 +114,9 @@ def test_lines(log):
 def summary(results, tests=None, tag="h100"):
   """The summary as text, from the files of the card named by `tag` (gpu_TAG_*.json)."""
   gmm = _load(os.path.join(results, f"gpu_{tag}_gmm.json"))
-  layer = []
-  for path in sorted(glob.glob(os.path.join(results, f"gpu_{tag}_layer*.json"))):
-    layer += _load(path) or []
+  layer = []  # the script's two layer files only (others, e.g. gpu_TAG_layer_levers, not)
+  for stem in ("layer", "layer_e64"):
+    layer += _load(os.path.join(results, f"gpu_{tag}_{stem}.json")) or []
   lines = (test_lines(tests) + [""] if tests else []) + gmm_lines(gmm) + [""] + layer_lines(layer)
   return "\n".join(lines)
 

@@ -165,9 +165,6 @@ def _blocks(name):
     "ws_3_steps": gmm_gpu.BlockConfig(
       max_concurrent_steps=3, grid_block_n=2, warp_specialized=True
     ),
-    "transpose_w": gmm_gpu.BlockConfig(
-      grid_block_n=4, warp_specialized=True, epi_block_n=64, transpose_w=True
-    ),
   }[name]
 
 
@@ -179,11 +176,7 @@ def _blocks(name):
   + [
     (case, dtype, k)
     for case in ("many_groups", "odd_d_f_clipped")
-    for dtype, k in (
-      ("bfloat16", "ws_3_steps"),
-      ("bfloat16", "transpose_w"),
-      ("float16", "default"),
-    )
+    for dtype, k in (("bfloat16", "ws_3_steps"), ("float16", "default"))
   ],
 )
 def test_mosaic_gpu_gmm_matches_the_oracle(case, dtype, kernels):

@@ -1,40 +1,46 @@
-"""Grouped matmul on NVIDIA Hopper GPUs: JAX's Mosaic GPU Pallas kernels behind one
+"""Grouped matmul on NVIDIA Hopper GPUs: Mosaic GPU Pallas kernels behind one
 differentiable function.
 
     y[m] = x[m] @ w[g(m)]   for m < sum(group_sizes), rows of group g contiguous
     y[m] = 0                for m >= sum(group_sizes)
 
 Forward `ragged_dot(x, w)`, backward dx = `ragged_dot(dy, w, transpose_rhs=True)` and
-dw = `transposed_ragged_dot(x, dy)` (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` and
-`transposed_ragged_dot_mgpu`, sm_90a: warpgroup MMAs, TMA copies), wired by our own
-`custom_vjp`. The row kernels visit each row tile once per group it holds (at most
-M / block_m + G - 1 tiles); dw visits each group's rows once: the routed FLOPs plus at most
-one tile per group boundary. What the kernels do not take as is:
+dw = `transposed_ragged_dot(x, dy)` (sm_90a: warpgroup MMAs, TMA copies), wired by our own
+`custom_vjp`. Two kernel families, chosen by `BlockConfig.warp_specialized`: the
+warp-specialized kernels of `kernels.gpu_ws` (the default: a TMA producer and two consumer
+warpgroups per persistent CTA, epilogue stores overlapping the next tile, a list of row
+tiles with none empty), and JAX's `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu`
+(`jax.experimental.pallas.ops.gpu`: one warpgroup per CTA, M / block_m + G - 1 row tiles,
+some empty). Both do the routed FLOPs plus at most one tile per group boundary. What the
+kernels do not take as is:
 
   * dtypes: x and w must have one dtype; bfloat16 or float16 here (the "mosaic_gpu" backend
     of `grouped_matmul` sends other dtypes to `lax.ragged_dot`). The kernels accumulate in
     float32 and write their inputs' dtype: y (and dx, dw) are rounded to x's dtype, then
     cast to `preferred_element_type`.
   * Shapes: the contracted dimension must be a multiple of block_k, the output columns of
-    block_n * grid_block_n, dw's rows (D) of block_m. M is zero-padded to a multiple of the
-    row tiles, D and F to the multiples their three uses need (`padded_sizes`; 128 with the
-    default blocks), and y, dx, dw are sliced back. Padding copies x (M, D) and w (D, F) on
-    every call: keep M, D and F multiples of 128 (model widths are) and no copy is made.
+    a CTA tile's, dw's rows (D) of a CTA tile's rows (`padded_sizes`). M is zero-padded to
+    a multiple of the row tiles, D and F to the multiples their three uses need (256 with
+    the default blocks), and y, dx, dw are sliced back. Padding copies x (M, D) and w
+    (D, F) on every call: keep M, D and F multiples of 256 and no copy is made.
   * Rows past sum(group_sizes): never written (uninitialised memory), so y and dx are zeroed
     with a `where` (`kernels.pallas.zero_past_groups`). Group sizes are clipped to end by M.
     dw's kernel masks a neighbouring group's rows in a shared block by multiplying them by
     zero: a non-finite value in any row of x or dy (past the groups too) can reach dw.
   * `jax.shard_map` with check_vma: as for megablox (`kernels.pallas`): the pallas_calls are
     traced with the check off, their outputs cast to vary like the inputs.
-  * Tracing off a GPU: `transposed_ragged_dot` reads the SM count from `jax.devices()[0]`
-    while tracing. `lax.platform_dependent` (grouped_matmul's "auto") traces the CUDA branch
-    on every host, so where the default device is not a GPU dw is traced as
-    `lax.ragged_dot_general` instead (never run there; the forward and dx kernels trace).
+  * Tracing off a GPU: JAX's `transposed_ragged_dot` reads the SM count from
+    `jax.devices()[0]` while tracing. `lax.platform_dependent` (grouped_matmul's "auto")
+    traces the CUDA branch on every host, so where the default device is not a GPU, JAX's
+    dw is traced as `lax.ragged_dot_general` instead (never run there). The
+    warp-specialized kernels take the SM count as an argument: 132 off a GPU.
 
 Blocks (`BlockConfig`, default `default_blocks`): block_m rows per tile (dw: columns of D),
-block_n output columns per tile (F; dx: D), block_k the contraction step (D; dx: F; dw:
-rows), max_concurrent_steps the pipeline depth (shared memory holds that many steps of
-both operands), grid_block_n the width of the tile order's snake (L2 reuse of x's tiles).
+block_n output columns per tile (F; dx: D), per consumer warpgroup in the warp-specialized
+kernels, block_k the contraction step (D; dx: F; dw: rows), max_concurrent_steps the
+pipeline depth (shared memory holds that many steps of both operands), grid_block_n the
+width of the tile order's snake (L2 reuse of x's tiles), epi_block_n the columns of each
+epilogue store (warp-specialized).
 """
 
 from __future__ import annotations
@@ -69,8 +75,7 @@ class BlockConfig:
   whose CTA holds two consumer warpgroups of block_m x block_n each (a CTA tile of
   block_m x 2 * block_n; dw: 2 * block_m x block_n) and a producer. There grid_block_n is
   the snake's width in CTA tiles and epi_block_n (default None: block_n) the columns of
-  each epilogue store. transpose_w: the forward multiplies by a copy of w transposed to
-  [G, F, D], so that its kernel reads w contraction-minor, as dx does (a pass over w).
+  each epilogue store.
   """
 
   block_m: int = 128
@@ -80,7 +85,6 @@ class BlockConfig:
   grid_block_n: int = 1
   warp_specialized: bool = False
   epi_block_n: int | None = None
-  transpose_w: bool = False
 
   def kwargs(self):
     """The arguments of JAX's `ragged_dot_mgpu` kernels."""
@@ -191,10 +195,7 @@ def _dw_kernel(x_QD, dy_QF, group_sizes_G, blocks):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(x_QD, w_GDF, group_sizes_G, blocks):
   with no_vma_check():
-    if blocks.transpose_w:
-      y_QF = _row_kernel(x_QD, w_GDF.swapaxes(1, 2), group_sizes_G, blocks, transpose_rhs=True)
-    else:
-      y_QF = _row_kernel(x_QD, w_GDF, group_sizes_G, blocks)
+    y_QF = _row_kernel(x_QD, w_GDF, group_sizes_G, blocks)
   (y_QF,) = vary_like(varying_axes(x_QD), y_QF)
   return zero_past_groups(y_QF, group_sizes_G)
 
@@ -268,7 +269,6 @@ def mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, *, preferred_element_type=None, b
       isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in blocks.kwargs().values()
     )
     or not isinstance(blocks.warp_specialized, bool)
-    or not isinstance(blocks.transpose_w, bool)
     or not (blocks.epi_block_n is None or _positive_divisor(blocks.epi_block_n, blocks.block_n))
   ):
     raise ValueError(

@@ -45,6 +45,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# plgpu.ACC: the warpgroup MMA's register accumulator (re-exported by plgpu with a noqa,
+# which the type checker reads as private).
+ACC = plgpu.ACC  # pyright: ignore[reportPrivateImportUsage]
+
 # Registers per thread left to the producer warpgroup (hopper_matmul_mgpu's choice); the two
 # consumers share the rest of the 64K-register file (232 each).
 MEMORY_REGISTERS = 40
@@ -205,7 +209,7 @@ def ragged_dot(lhs, rhs, *, group_sizes, blocks, num_sms, transpose_rhs=False):
         wg_cols = pl.ds(wg * bn, bn)
 
         def compute_context(run):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+          @functools.partial(pl.run_scoped, acc_ref=ACC((bm, bn), jnp.float32))
           def _(acc_ref):
             run(acc_ref)
             acc = acc_ref[...].astype(dtype)
@@ -219,7 +223,7 @@ def ragged_dot(lhs, rhs, *, group_sizes, blocks, num_sms, transpose_rhs=False):
 
         def mma(_, lhs_smem, rhs_smem, acc_ref):
           if transpose_rhs:
-            b = plgpu.transpose_ref(rhs_smem.at[wg_cols], (1, 0))
+            b = rhs_smem.at[wg_cols].transpose((1, 0))
           else:
             b = rhs_smem.at[:, wg_cols]
           plgpu.wgmma(acc_ref, lhs_smem, b)
@@ -318,7 +322,7 @@ def transposed_ragged_dot(lhs, rhs, *, group_sizes, blocks, num_sms):
         rows = pl.ds(pl.multiple_of(first * bk, bk), k)  # runs past k; never read there
 
         def compute_context(run):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+          @functools.partial(pl.run_scoped, acc_ref=ACC((bm, bn), jnp.float32))
           def _(acc_ref):
             run(acc_ref)
             acc = acc_ref[...].astype(dtype)
@@ -343,7 +347,7 @@ def transposed_ragged_dot(lhs, rhs, *, group_sizes, blocks, num_sms):
               half = lhs_smem.at[:, pl.ds(w * bm, bm)]
               _mask_rows(half, (s == 0) & (lo > 0), lambda r: r >= lo)
               _mask_rows(half, (s == num_steps - 1) & (hi < bk), lambda r: r < hi)
-              plgpu.wgmma(acc_ref, plgpu.transpose_ref(half, (1, 0)), rhs_smem)
+              plgpu.wgmma(acc_ref, half.transpose((1, 0)), rhs_smem)
 
           plgpu.wgmma_wait(0)
           return acc_ref

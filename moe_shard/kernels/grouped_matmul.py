@@ -17,10 +17,10 @@ each backend takes it:
     kernel on megablox's grid (`kernels/tpu_quant.py`), which decodes each block of w in
     VMEM. Named explicitly, it runs anywhere: off
     TPU in Pallas interpret mode (slow; for tests).
-  * "mosaic_gpu" (`kernels/gpu.py`): JAX's Mosaic GPU Pallas kernels for Hopper (ragged_dot
-    forward and dx, transposed_ragged_dot dw): routed FLOPs forward and backward, the CUDA
-    backend. bfloat16 and float16 only (y rounded to x's dtype before the cast to
-    `out_dtype`); other dtypes, float32 included, take "ragged_dot". It does the routed
+  * "mosaic_gpu" (`kernels/gpu.py`): Mosaic GPU Pallas kernels for Hopper, warp-specialized
+    (`kernels/gpu_ws.py`; JAX's ragged_dot_mgpu kernels on request): routed FLOPs forward
+    and backward, the CUDA backend. bfloat16 and float16 only (y rounded to x's dtype
+    before the cast to `out_dtype`); other dtypes, float32 included, take "ragged_dot". It does the routed
     FLOPs where `lax.ragged_dot` on GPU does G times them, so the gap grows with G (measured
     on an H100 against `lax.ragged_dot` and a dense matmul: bench/results/gpu_h100_gmm.md,
     `python -m bench.gpu`). It runs only on a Hopper GPU; elsewhere it is only traced (see
