@@ -233,6 +233,67 @@ def stop_gradient(w: Any) -> Any:
   )
 
 
+def freeze(fn: str, tree: Any, prefix: str = "params") -> Any:
+  """`tree` with its quantized matrices marked frozen: differentiating one raises TypeError.
+
+  A quantized matrix has no gradient an optimizer could apply: its FP8 values would get
+  float8 zeros (Adam's 0 / (0 + eps) is NaN in e4m3) and its integer values float0 (no
+  arithmetic at all). So a transformation that differentiates the float arrays of a
+  `QuantizedArray` (its scales, FP8 values) fails at trace time, naming the matrices and
+  the way to leave them out; one that differentiates other leaves only (the quantized ones
+  closed over, or split off with `adapters.split_trainable`) is unaffected: the mark is an
+  identity that costs nothing. Integer arrays (int8 and MXFP4 values, MXFP4 scales) are
+  differentiated only under `allow_int=True`, where JAX gives them float0 without tracing
+  them: they cannot be seen here.
+
+  Args:
+    fn: the calling function, for the message.
+    tree: any pytree holding `QuantizedArray`s.
+    prefix: how the message names the root of `tree` (default "params").
+
+  Returns:
+    `tree`, its quantized matrices' arrays passed through the mark.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)
+  names = tuple(prefix + jax.tree_util.keystr(p) for p, a in leaves if is_quantized(a))
+  if not names:
+    return tree
+  arrays = [a.arrays() for _, a in leaves if is_quantized(a)]
+  marked = iter(_frozen((fn, names), arrays))
+  return jax.tree.unflatten(
+    treedef,
+    [dataclasses.replace(a, **dict(zip(("values", "scales"), next(marked)))) if is_quantized(a)
+     else a for _, a in leaves],
+  )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _frozen(where, arrays):
+  return arrays
+
+
+def _frozen_fwd(where, arrays):
+  # Called only when some of `arrays` are differentiated (symbolic zeros: the others are not).
+  fn, names = where
+  hit = [n for n, pair in zip(names, arrays) if any(a.perturbed for a in pair)]
+  raise TypeError(
+    f"{fn}: {', '.join(hit)} {'is a quantized matrix' if len(hit) == 1 else 'are quantized matrices'} "
+    f"(QuantizedArray), frozen: they cannot be differentiated, and an optimizer step on them "
+    f"would corrupt them (float8 zeros make Adam's update NaN). Differentiate the trainable "
+    f"leaves only: `trainable, frozen = ms.split_trainable(params)` and "
+    f"`jax.grad(lambda t: loss(ms.merge_trainable(t, frozen)))(trainable)`; in Equinox "
+    f"`eqx.partition(model, ms.trainable_mask(model))`; in Flax NNX `nnx.grad` (they are not "
+    f"nnx.Param) (docs/guides/quantization.md)"
+  )
+
+
+def _frozen_bwd(where, residuals, cotangents):  # unreachable: the forward rule raises
+  raise AssertionError("quant.freeze: a frozen matrix was differentiated")
+
+
+_frozen.defvjp(_frozen_fwd, _frozen_bwd, symbolic_zeros=True)
+
+
 def zero_cotangent(tree: Any) -> Any:
   """Zero cotangents for the arrays of `tree`: float0 for integer ones, zeros otherwise."""
 
@@ -268,13 +329,17 @@ def merge(treedef: Any, trainable: list, frozen: list) -> Any:
 
 def expand(prefix: Any, tree: Any) -> Any:
   """`prefix` (a tree with one value where `tree` holds a `QuantizedArray`, such as a
-  `PartitionSpec` or shape letters) with that value given to both values and scales.
+  `PartitionSpec` or shape letters) with that value given to both values and scales (and,
+  where `tree` holds an `adapters.Adapter`, to its matrix, its a and its b by
+  `Adapter.expand_prefix`).
 
   A `PartitionSpec` for the scales names no axis on a dimension where the scales have one
   block for the whole axis (int8's input axis): that dimension is not split.
   """
 
   def one(p, a):
+    if hasattr(a, "expand_prefix"):  # an `adapters.Adapter`: its matrix, a and b
+      return a.expand_prefix(p, one)
     if not is_quantized(a):
       return p
     s = p
@@ -336,6 +401,8 @@ def quantize_experts(params: Any, fmt: str) -> Any:
   check_format("quantize_experts", "fmt", fmt)
 
   def one(name, w):
+    if hasattr(w, "expand_prefix"):  # an `adapters.Adapter`: its base matrix quantized
+      return dataclasses.replace(w, w=one(name, w.w))
     if is_quantized(w):
       return w
     check_blocks("quantize_experts", f"experts.{name}", w.shape, fmt)

@@ -240,23 +240,22 @@ def test_layer_on_quantized_experts_matches_the_float64_model(impl, on_mesh, fmt
   cfg = dataclasses.replace(cfg, impl=impl)
   mesh = _mesh8() if on_mesh else None
 
-  def loss(params, x):
-    y, aux = ms.moe_layer(params, x, cfg, mesh=mesh)
+  def loss(trainable, frozen, x):
+    y, aux = ms.moe_layer(ms.merge_trainable(trainable, frozen), x, cfg, mesh=mesh)
     return jnp.sum(y * ct) + aux["aux_loss"], y
 
-  (_, y), (gp, gx) = jax.jit(
-    jax.value_and_grad(loss, argnums=(0, 1), has_aux=True, allow_int=True)
-  )(q, jnp.asarray(x))
+  trainable, frozen = ms.split_trainable(q)
+  (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))(
+    trainable, frozen, jnp.asarray(x)
+  )
   _assert_rel(y, y64, "y")
   _assert_rel(gx, g64["x"], "dx")
   _assert_rel(gp.router_DE, g64["router_DE"], "d router_DE")
   for f in ("gate_b_EF", "down_b_ED"):
     _assert_rel(getattr(gp.experts, f), g64[f], f"d experts.{f}")
   assert np.any(np.asarray(gp.shared.down_EFD))  # the shared experts train
-  for f in ("gate_EDF", "up_EDF", "down_EFD"):
-    # Frozen: zeros for float arrays (scales, FP8 values), float0 for integer values.
-    for a in getattr(gp.experts, f).arrays():
-      assert a.dtype == jax.dtypes.float0 or not np.any(np.asarray(a)), f
+  for f in ("gate_EDF", "up_EDF", "down_EFD"):  # split off: no gradient at all
+    assert getattr(gp.experts, f).values is None and getattr(gp.experts, f).scales is None
 
 
 @pytest.mark.parametrize("fmt", ["int8", "mxfp4"])
@@ -324,9 +323,13 @@ def test_nnx_and_equinox_modules_hold_quantized_experts():
   assert not [p for p in paths if "values" in p or "scales" in p], paths
   e = EqxMoE.from_params(cfg, m.moe_params())
   np.testing.assert_array_equal(e(x)[0], m(x)[0])
-  ge = eqx.filter_grad(lambda e: jnp.sum(e(x)[0] ** 2))(e)
-  assert ge.params.experts.gate_EDF.values is None  # integer: not differentiated
-  assert not np.any(np.asarray(ge.params.experts.gate_EDF.scales))  # frozen
+  # The whole module: its float scales would be differentiated, which the layer refuses.
+  with pytest.raises(TypeError, match=re.escape("params.experts.gate_EDF, params.experts.up_EDF")):
+    eqx.filter_grad(lambda e: jnp.sum(e(x)[0] ** 2))(e)
+  trainable, frozen = eqx.partition(e, ms.trainable_mask(e))
+  ge = eqx.filter_grad(lambda t: jnp.sum(eqx.combine(t, frozen)(x)[0] ** 2))(trainable)
+  assert ge.params.experts.gate_EDF.values is None and ge.params.experts.gate_EDF.scales is None
+  assert np.any(np.asarray(ge.params.router_DE))
 
 
 # --------------------------------------------------------------------------- errors
@@ -403,3 +406,68 @@ def test_masked_matmul_int8_takes_the_kernel_at_decode_rows(M):
   mm = ms.MaskedMatmul(jnp.ones((M,), bool))
   jaxpr = str(jax.make_jaxpr(lambda x: mm(x, q))(jnp.zeros((M, D), jnp.bfloat16)))
   assert ("pallas_call" in jaxpr) == (M <= matmuls.KERNEL_ROWS)
+
+
+# --------------------------------------------------------------------------- fine-tuning
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_an_optimizer_cannot_corrupt_quantized_experts(fmt):
+  """The whole tree differentiated: a TypeError naming the frozen matrices (int8, fp8: their
+  float scales or values would be differentiated), or, for MXFP4's integer-only arrays
+  under allow_int, float0 (JAX does not trace them: documented). The recipe (split by
+  `trainable_mask`, adam on the trainable part) leaves every quantized array as it was, the
+  shared experts quantized too."""
+  import optax
+
+  cfg = _config(fmt)
+  q = ms.quantize_experts(ms.init_moe_params(jax.random.key(0), cfg), fmt)
+  q = dataclasses.replace(q, shared=ms.quantize_experts(q.shared, "int8"))
+  x = jax.random.normal(jax.random.key(1), (B, S, cfg.d_model))
+
+  def loss(params, x):
+    y, aux = ms.moe_layer(params, x, cfg)
+    return jnp.mean(y**2) + aux["aux_loss"]
+
+  if fmt == "mxfp4":
+    with pytest.raises(TypeError, match=re.escape("params.shared.gate_EDF")):  # int8 shared
+      jax.grad(loss, allow_int=True)(q, x)
+    q_routed = dataclasses.replace(q, shared=ms.dequantize_experts(q.shared))
+    g = jax.grad(loss, allow_int=True)(q_routed, x)
+    assert g.experts.gate_EDF.values.dtype == jax.dtypes.float0
+  else:
+    names = "params.experts.gate_EDF, params.experts.up_EDF, params.experts.down_EFD"
+    with pytest.raises(TypeError, match=re.escape(names) + ".*ms.split_trainable"):
+      jax.grad(loss, allow_int=True)(q, x)
+  mask = ms.trainable_mask(q)
+  assert mask.experts.gate_EDF == dataclasses.replace(
+    q.experts.gate_EDF, values=False, scales=False
+  )
+  assert mask.router_DE is True and mask.experts.gate_b_EF is True
+  tx = optax.adam(1e-2)
+
+  @jax.jit
+  def step(trainable, frozen, opt_state, x):
+    value, grads = jax.value_and_grad(lambda t: loss(ms.merge_trainable(t, frozen), x))(trainable)
+    updates, opt_state = tx.update(grads, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state, value
+
+  trainable, frozen = ms.split_trainable(q)
+  opt_state = tx.init(trainable)
+  for _ in range(2):
+    trainable, opt_state, value = step(trainable, frozen, opt_state, x)
+  new = ms.merge_trainable(trainable, frozen)
+  assert np.isfinite(float(value))
+  for a, b in zip(jax.tree.leaves(ms.split_trainable(new)[1]), jax.tree.leaves(frozen)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+  assert not np.array_equal(new.router_DE, q.router_DE)
+
+
+def test_trainable_mask_freezes_the_router_bias():
+  cfg = _config("int8", bias_balancing=True, num_shared_experts=0)
+  params = ms.init_moe_params(jax.random.key(0), cfg)
+  mask = ms.trainable_mask({"moe": params, "embed": jnp.zeros(3)})
+  assert mask["moe"].router_bias is False and mask["moe"].router_DE is True
+  assert mask["embed"] is True
+  trainable, frozen = ms.split_trainable(params)
+  assert trainable.router_bias is None and frozen.router_bias is params.router_bias
