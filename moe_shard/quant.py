@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_shard.sharding import auto
+
 FORMATS = ("int8", "fp8", "mxfp4")
 # Rows (input channels) x columns (output channels) of one scale, per format; None: the
 # whole axis. The values' storage rows per logical row: 1/2 for mxfp4's packed codes.
@@ -413,7 +415,10 @@ def quantize_experts(params: Any, fmt: str) -> Any:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _quantize_jit(w, fmt):
-  return quantize(w, fmt)
+  # On an Explicit mesh the blocks' reshapes have no sharding JAX can infer: XLA picks them
+  # (`auto`), and the values and scales come out split like w (`expand`).
+  shapes = jax.eval_shape(lambda w: quantize(w, fmt), jax.ShapeDtypeStruct(w.shape, w.dtype))
+  return auto(lambda w: quantize(w, fmt), w, lambda spec: expand(spec, shapes))(w)
 
 
 def dequantize_experts(params: Any) -> Any:
@@ -435,7 +440,8 @@ def dequantize_experts(params: Any) -> Any:
 
 @jax.jit
 def _dequantize_jit(q):
-  return q.dequantize()
+  # The matrix split like the values (`_quantize_jit`).
+  return auto(lambda q: q.dequantize(), q.values, lambda spec: spec)(q)
 
 
 def expert_bytes(params: Any) -> int:

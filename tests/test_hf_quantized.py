@@ -212,6 +212,33 @@ def test_save_of_kept_gives_back_the_bytes(tmp_path, name):
   )
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3_fp8", "gpt_oss_mxfp4"])
+def test_round_trips_on_the_default_mesh(tmp_path, name):
+  """On jax.make_mesh's default (Explicit) mesh, what a user does: a float load (bfloat16,
+  the default) saved back, and a kept load dequantized (the guide's route) saved back, each
+  give the checkpoint's bytes, FP8's 448 codes included (bfloat16's rounding carries them a
+  little past 448 times their scale; they saturate back); the dequantized matrices keep the
+  experts' split."""
+  folder = checkpoint(name, tmp_path)
+  if name == "deepseek_v3_fp8":  # the fixture holds 448 codes, as real releases do
+    tensors = write_fp8(tmp_path / "again", name)
+    assert any(np.any(np.abs(t.astype(np.float32)) == 448) for t in tensors.values())
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  cfg, floats = hf.load_moe_layers(folder, mesh=mesh)
+  _, kept = hf.load_moe_layers(folder, mesh=mesh, keep_quantized=True)
+  deq = ms.dequantize_experts(kept)
+  assert deq.experts.down_EFD.sharding.spec == P(None, "expert", None, None)
+  assert deq.experts.down_EFD.dtype == cfg.param_dtype
+  assert name != "deepseek_v3_fp8" or cfg.param_dtype == jnp.bfloat16
+  before = raw_tensors(folder)
+  for i, params in enumerate((floats, deq)):
+    hf.save_moe_layers(tmp_path / f"out{i}", cfg, params, like=folder)
+    after = raw_tensors(tmp_path / f"out{i}")
+    assert sorted(after) == sorted(before)
+    for k, t in before.items():
+      assert after[k] == t, k
+
+
 def test_float_checkpoint_loads_as_float(tmp_path):
   hf_checkpoints.write(tmp_path, "mixtral")
   cfg, want = hf.load_moe_layer(tmp_path, 1)

@@ -24,6 +24,7 @@ import layer_oracle
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
 from moe_shard import matmuls, quant
@@ -471,3 +472,29 @@ def test_trainable_mask_freezes_the_router_bias():
   assert mask["embed"] is True
   trainable, frozen = ms.split_trainable(params)
   assert trainable.router_bias is None and frozen.router_bias is params.router_bias
+
+
+@pytest.mark.parametrize(
+  ("axis_type", "fmt"), [(AxisType.Explicit, f) for f in quant.FORMATS] + [(AxisType.Auto, "fp8")]
+)
+def test_quantize_and_dequantize_on_either_axis_type(axis_type, fmt):
+  """On jax.make_mesh's default Explicit axes (and Auto): quantize_experts and
+  dequantize_experts run, the values, scales and dequantized matrices split like the
+  matrix, the values bit for bit what they are off the mesh (init_moe_params with a
+  weights_format on the default mesh: test_init_and_specs_with_weights_format)."""
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(axis_type,) * 2)
+  cfg = _config(fmt, num_shared_experts=0)
+  params = ms.init_moe_params(jax.random.key(0), cfg, mesh=mesh)
+  want = ms.quantize_experts(jax.device_get(params), fmt).experts.down_EFD
+  q = ms.quantize_experts(params, fmt)
+  got = q.experts.down_EFD
+  for a in got.arrays():
+    assert a.sharding.spec == P("expert", None, None)
+  np.testing.assert_array_equal(
+    np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8)
+  )
+  # XLA may round the float scales' division differently in the sharded program: 1 ulp.
+  np.testing.assert_allclose(got.scales, want.scales, rtol=2**-22)
+  d = ms.dequantize_experts(q).experts.down_EFD
+  assert d.sharding.spec == P("expert", None, None)
+  np.testing.assert_allclose(d, want.dequantize(), rtol=2**-21)
