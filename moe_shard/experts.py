@@ -49,7 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from moe_shard import _checks
-from moe_shard.quant import expand, is_quantized, stop_gradient
+from moe_shard.quant import check_quantized, expand, is_quantized, stop_gradient
 from moe_shard.remat import MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP
 
 if TYPE_CHECKING:
@@ -416,7 +416,9 @@ def as_ffn(fn: str, w: Any) -> tuple[Any, int]:
   sizes = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(w, is_leaf=is_quantized):
     name = "w" + jax.tree_util.keystr(path)
-    if not is_quantized(leaf):  # a QuantizedArray holds integer or FP8 codes
+    if is_quantized(leaf):  # integer or FP8 codes and their scales
+      check_quantized(fn, name, leaf)
+    else:
       leaf = _checks.float_array(fn, name, leaf)
     if leaf.ndim < 1:
       raise ValueError(f"{fn}: {name} must have the expert axis first (got a scalar)")

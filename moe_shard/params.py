@@ -24,7 +24,7 @@ from moe_shard.adapters import is_adapter
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.experts import ExpertFFN, SwiGLU
 from moe_shard.parallel.common import split_specs
-from moe_shard.quant import is_quantized, quantize_experts
+from moe_shard.quant import check_quantized, is_quantized, quantize_experts
 from moe_shard.sharding import is_concrete, resolve_mesh, split_axis_size, tracing
 
 
@@ -324,6 +324,7 @@ def _check_params(fn, params, cfg):
     if is_adapter(a):
       a = _check_adapter(fn, f"params{k}", a)
     if is_quantized(a):
+      check_quantized(fn, f"params{k}", a)
       if cfg.weights_format not in (None, a.fmt):
         raise ValueError(
           f"{fn}: params{k} must be quantized as {cfg.weights_format!r} for this MoEConfig "

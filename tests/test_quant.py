@@ -498,3 +498,129 @@ def test_quantize_and_dequantize_on_either_axis_type(axis_type, fmt):
   d = ms.dequantize_experts(q).experts.down_EFD
   assert d.sharding.spec == P("expert", None, None)
   np.testing.assert_allclose(d, want.dequantize(), rtol=2**-21)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_non_finite_weights_raise_or_stay_nan(fmt):
+  """A NaN or Inf in the float weights: concrete, quantize_experts raises naming the leaf and
+  the first index; traced (under jit), the block holding it dequantizes to NaN (int8: its
+  column; fp8: its 128 x 128 block; mxfp4: its 32 rows of one column, e8m0's NaN scale) and
+  no other value changes."""
+  params = ms.init_moe_params(jax.random.key(0), _config(fmt, num_shared_experts=0))
+  up = params.experts.up_EDF
+  for bad in (jnp.nan, -jnp.inf):
+    p = dataclasses.replace(
+      params, experts=dataclasses.replace(params.experts, up_EDF=up.at[1, 3, 5].set(bad))
+    )
+    with pytest.raises(
+      ValueError,
+      match=re.escape(
+        "quantize_experts: experts.up_EDF must be finite to be quantized (got 1 NaN or Inf values, the first at index (1, 3, 5))"
+      ),
+    ):
+      ms.quantize_experts(p, fmt)
+  got = jax.jit(lambda p: ms.quantize_experts(p, fmt))(p).experts.up_EDF.dequantize()
+  want = ms.quantize_experts(params, fmt).experts.up_EDF.dequantize()
+  block = {
+    "int8": (slice(None), 5),
+    "fp8": (slice(0, 128), slice(0, 128)),
+    "mxfp4": (slice(0, 32), 5),
+  }[fmt]
+  nan = np.zeros(got.shape, bool)
+  nan[(1, *block)] = True
+  np.testing.assert_array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(np.asarray(got)[~nan], np.asarray(want)[~nan])
+
+
+def test_malformed_quantized_arrays_raise_where_they_enter():
+  """Scales or values of the wrong shape or dtype for their format raise, naming the leaf, in
+  moe_layer, in a dispatch called directly and in grouped_matmul."""
+  cfg = _config("int8", num_shared_experts=0)
+  q = ms.quantize_experts(ms.init_moe_params(jax.random.key(0), cfg), "int8")
+  g = q.experts.gate_EDF
+  x = jnp.zeros((B, S, cfg.d_model))
+  cases = [
+    (
+      dict(scales=g.scales[:, 0]),
+      ValueError,
+      "scales must have shape (8, 1, 32) for 'int8' values of shape (8, 16, 32) (got (8, 32))",
+    ),
+    (
+      dict(scales=g.scales[:-1]),
+      ValueError,
+      "scales must have shape (8, 1, 32) for 'int8' values of shape (8, 16, 32) (got (7, 1, 32))",
+    ),
+    (
+      dict(values=g.values.astype(jnp.uint8)),
+      TypeError,
+      "values of a 'int8' QuantizedArray must have dtype int8 (got uint8)",
+    ),
+    (
+      dict(scales=g.scales.astype(jnp.bfloat16)),
+      TypeError,
+      "scales of a 'int8' QuantizedArray must have dtype float32 (got bfloat16)",
+    ),
+    (
+      dict(fmt="int4"),
+      ValueError,
+      "gate_EDF.fmt must be one of ('int8', 'fp8', 'mxfp4') (got 'int4')",
+    ),
+  ]
+  for change, kind, message in cases:
+    bad = dataclasses.replace(g, **change)
+    qq = dataclasses.replace(q, experts=dataclasses.replace(q.experts, gate_EDF=bad))
+    with pytest.raises(
+      kind,
+      match=re.escape(f"moe_layer: params.experts.gate_EDF{'.' if 'fmt' not in change else ''}"),
+    ):
+      ms.moe_layer(qq, x, cfg)
+    with pytest.raises(kind, match=re.escape(message)):
+      ms.moe_layer(qq, x, cfg)
+    with pytest.raises(kind, match=re.escape("moe_ragged_dot: w.gate_EDF")):
+      ms.moe_ragged_dot(x[0], qq.experts, jnp.zeros((S, K), jnp.int32))
+  mx = quant.quantize(jnp.ones((2, 64, 16)), "mxfp4")
+  with pytest.raises(
+    TypeError,
+    match=re.escape(
+      "grouped_matmul: w_GDF.scales of a 'mxfp4' QuantizedArray must have dtype uint8 (got float32)"
+    ),
+  ):
+    ms.grouped_matmul(
+      jnp.ones((4, 64)),
+      dataclasses.replace(mx, scales=mx.scales.astype(jnp.float32)),
+      jnp.array([2, 2]),
+    )
+
+
+# --------------------------------------------------------------------------- shared experts
+
+
+def test_quantized_shared_experts_match_the_float64_model():
+  """Shared experts quantized too (int8): the layer on one device and on 8 equals the
+  float64 model on the decoded values, y and the gradients of x and the router; the
+  quantized shared matrices are frozen like the routed ones."""
+  cfg, q, p64, x, ct = _case("int8", seed=1)
+  q = dataclasses.replace(q, shared=ms.quantize_experts(q.shared, "int8"))
+  decoded = {f: np_decode(getattr(q.shared, f)) for f in ("gate_EDF", "up_EDF", "down_EFD")}
+  p64 = dataclasses.replace(p64, shared=dataclasses.replace(p64.shared, **decoded))
+  y64, _ = layer_oracle.layer(p64, x, cfg)
+  g64 = _fd(p64, x, ct, cfg)
+  trainable, frozen = ms.split_trainable(q)
+  assert frozen.shared.gate_EDF.values is q.shared.gate_EDF.values
+
+  for impl, mesh in (("ragged_dot", None), ("all_to_all", _mesh8())):
+    c = dataclasses.replace(cfg, impl=impl)
+
+    def loss(t, x, c=c, mesh=mesh):
+      y, aux = ms.moe_layer(ms.merge_trainable(t, frozen), x, c, mesh=mesh)
+      return jnp.sum(y * ct) + aux["aux_loss"], y
+
+    (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+      trainable, jnp.asarray(x)
+    )
+    _assert_rel(y, y64, f"{impl}: y")
+    _assert_rel(gx, g64["x"], f"{impl}: dx")
+    _assert_rel(gp.router_DE, g64["router_DE"], f"{impl}: d router_DE")
