@@ -40,8 +40,10 @@ def machine_info():
   }
 
 
-# A program has run enough once it has SETTLE_RUNS timed runs within SETTLE_SPREAD of their
-# median, (max - min) / median (`time_in_turns`).
+# A program has run enough once it has SETTLE_RUNS timed runs which, the slowest one aside,
+# are within SETTLE_SPREAD of their median: (second slowest - fastest) / median
+# (`time_in_turns`). One slow run is let pass: on a shared host a run that another process
+# interrupts is slower, never faster.
 SETTLE_RUNS = 3
 SETTLE_SPREAD = 0.10
 
@@ -53,9 +55,9 @@ def time_in_turns(fns_args, repeats, on_turn=None, *, settle=False, outputs=None
     fns_args: list of (fn, args).
     repeats: timed calls of each (at most, with `settle`).
     on_turn: called with the turn number after the warm-up (0) and each timed turn.
-    settle: a program leaves the turns once its timed runs are `SETTLE_RUNS` or more and
-      within `SETTLE_SPREAD` of their median (default False: every program runs `repeats`
-      times); the others go on, in turns, up to `repeats`.
+    settle: a program leaves the turns once its timed runs are `SETTLE_RUNS` or more and,
+      the slowest one aside, within `SETTLE_SPREAD` of their median (default False: every
+      program runs `repeats` times); the others go on, in turns, up to `repeats`.
     outputs: None (default), or a list that gets each program's last output, in order
       (what a check of the results can use instead of calling the programs again).
 
@@ -69,9 +71,10 @@ def time_in_turns(fns_args, repeats, on_turn=None, *, settle=False, outputs=None
   times = [[] for _ in fns_args]
 
   def settled(t):
-    return (
-      settle and len(t) >= SETTLE_RUNS and (max(t) - min(t)) <= SETTLE_SPREAD * statistics.median(t)
-    )
+    if not settle or len(t) < SETTLE_RUNS:
+      return False
+    fastest, *_, second_slowest, _ = sorted(t)
+    return second_slowest - fastest <= SETTLE_SPREAD * statistics.median(t)
 
   for turn in range(repeats):
     for i, (fn, args) in enumerate(fns_args):

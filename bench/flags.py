@@ -13,8 +13,9 @@ from bench import LEVELS, MODES, ROUTINGS, models
 
 PRESETS = {
   # jit_ragged_dot is left out of the default (XLA replicates its work on every device, so
-  # it is the slowest by far); --impls or --sweep include it. 5 repeats: 8 simulated
-  # devices share the host's cores, and medians of fewer repeats move between runs.
+  # it is the slowest by far); --impls or --sweep include it. Up to 5 repeats: 8 simulated
+  # devices share the host's cores, and a program whose runs spread is timed more
+  # (`common.time_in_turns`'s settle).
   "default": dict(
     tokens=8192,
     d_model=512,
@@ -237,7 +238,8 @@ def parser():
     "--repeats",
     type=int,
     help="timed runs per program after a warm-up, at most: a program whose runs are 3 or "
-    "more and within 10%% of their median is done (bench.common.SETTLE_RUNS, SETTLE_SPREAD)",
+    "more and, the slowest aside, within 10%% of their median is done "
+    "(bench.common.SETTLE_RUNS, SETTLE_SPREAD)",
   )
   p.add_argument(
     "--capacity-factor",

@@ -9,7 +9,7 @@ meet the rows:
 
 Each takes a float matrix, a `QuantizedArray` (`quant.py`) or an `Adapter` (`adapters.py`:
 a matrix and its low-rank update, applied as `x @ w + scale * (x @ a) @ b` by the same
-matmul: three grouped matmuls of the same rows) where it takes `w`. A quantized
+matmul: three matmuls of the same rows, `adapters.apply`) where it takes `w`. A quantized
 matrix is frozen (its gradient is stopped) and is dequantized a piece at a time: per block
 or group inside the grouped matmul's backends (`kernels/grouped_matmul.py`, which
 `MaskedMatmul` calls with one group of all its rows for FP8 and MXFP4, and for int8 at up to

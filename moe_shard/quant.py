@@ -25,7 +25,9 @@ scale per output channel, as a matmul's per-column scale.
 The grouped matmuls take a `QuantizedArray` where they take a matrix and dequantize it a
 block at a time (`matmuls.py`, `kernels/`). The layer computes with exactly the values
 `dequantize()` gives, cast to the compute dtype. Quantized matrices are frozen: the matmuls
-stop their gradient, so scales (and FP8 values) get zeros and integer values JAX's float0.
+stop their gradient (a direct call gives scales and FP8 values zeros, integer values JAX's
+float0), and `moe_layer` raises when differentiated in one (`freeze`): train the other
+leaves (`adapters.split_trainable`).
 
 qwix's `QArray` is not used: it imports Flax (an optional extra of this package), holds FP4
 codes one per element rather than gpt-oss's two per byte, and its dequantization broadcasts
