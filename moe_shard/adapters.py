@@ -155,8 +155,10 @@ def trainable_mask(tree: Any) -> Any:
   Frozen: the arrays of every `QuantizedArray` (values and scales), the base matrix `w` of
   every `Adapter`, and the `router_bias` of every `MoEParams` (aux-loss-free balancing's
   selection bias, moved by `update_router_bias`). Everything else is True. Use it as the
-  mask of `optax.masked`, the labels of `optax.multi_transform`, or the filter of
-  `eqx.partition`; `split_trainable` splits a tree by it.
+  labels of `optax.multi_transform` (`{True: tx, False: optax.set_to_zero()}`), the filter
+  of `eqx.partition`, or a mask of `optax.masked` (which passes the masked-out leaves'
+  updates through: it restricts a transformation, it does not freeze); `split_trainable`
+  splits a tree by it.
 
   Args:
     tree: any pytree: a `MoEParams` (or a stack of them), an Equinox module holding one, a

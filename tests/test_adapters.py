@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import layer_oracle
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -187,6 +188,13 @@ def test_add_and_merge_adapters():
   np.testing.assert_allclose(layer(ad, x), layer(params, x), rtol=1e-6, atol=1e-6)
   mask = ms.trainable_mask(ad)
   assert mask.experts.gate_EDF == ms.Adapter(False, True, True)
+  # As optax labels: the float base matrix under an adapter does not move.
+  tx = optax.multi_transform({True: optax.adam(1e-2), False: optax.set_to_zero()}, mask)
+  updates, _ = tx.update(jax.tree.map(jnp.ones_like, ad), tx.init(ad), ad)
+  assert not np.any(np.asarray(updates.experts.gate_EDF.w))
+  assert np.all(np.asarray(updates.experts.gate_EDF.b) != 0) and np.any(
+    np.asarray(updates.router_DE)
+  )
   # Trained: b nonzero. Folded, the layer computes the same outputs.
   b = jax.random.normal(jax.random.key(3), gate.b.shape) * 0.1
   ad = dataclasses.replace(ad, experts=dataclasses.replace(ad.experts, gate_EDF=dataclasses.replace(gate, b=b)))  # fmt: skip
