@@ -100,8 +100,9 @@ def is_adapter(x: Any) -> bool:
 # (`_masked_low_rank`) rather than two grouped matmuls: on CPU each grouped matmul call costs
 # a loop over tiles for a few FLOPs, and on TPU a dense dot fuses with its neighbours. With
 # more groups the dense form would compute every group's columns for every row (G times the
-# FLOPs): compiled for TPU v5e 2x4 at E=64 (8 groups, R=16) the training step took 9.5 ms
-# that way, 8.6 ms with the grouped matmuls (bench/results/tpu_v5e_2x4_adapters.md).
+# low-rank FLOPs): compiled for TPU v5e 2x4 at E=64 (8 groups, R=16), the training step's
+# estimate was longer that way than with the grouped matmuls (the figures: the commit that
+# chose this; the step as it is: bench/results/tpu_v5e_2x4_adapters.md).
 DENSE_LOW_RANK_GROUPS = 1
 
 
