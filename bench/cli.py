@@ -9,8 +9,10 @@ Every implementation of a case gets the same sharded inputs (tokens over every m
 expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JAX is given
 `--devices` (default 8) simulated CPU devices. Each row (case x impl x mode):
 
-  time: median (min, max) wall seconds over --repeats runs after a warm-up, all programs of
-    a case timed in turns; compile seconds separately.
+  time: median (min, max) wall seconds over up to --repeats runs after a warm-up, all
+    programs of a case timed in turns (a program leaves the turns once 3 or more of its runs,
+    the slowest aside, are within 10% of their median; `runs` in the results); compile
+    seconds separately.
   GFLOP/s: routed FLOPs / median time. flops x: FLOPs executed, summed over devices (read
     from the compiled HLO, loop bodies times their trip counts), over the routed FLOPs.
   MiB/dev, x bound: collective bytes each device sends (from the HLO, loops scaled) and

@@ -40,30 +40,57 @@ def machine_info():
   }
 
 
-def time_in_turns(fns_args, repeats, on_turn=None):
+# A program has run enough once it has SETTLE_RUNS timed runs which, the slowest one aside,
+# are within SETTLE_SPREAD of their median: (second slowest - fastest) / median
+# (`time_in_turns`). One slow run is let pass: on a shared host a run that another process
+# interrupts is slower, never faster.
+SETTLE_RUNS = 3
+SETTLE_SPREAD = 0.10
+
+
+def time_in_turns(fns_args, repeats, on_turn=None, *, settle=False, outputs=None):
   """Calls each (fn, args) once to warm up, then in turn `repeats` times.
 
   Args:
     fns_args: list of (fn, args).
-    repeats: timed calls of each.
+    repeats: timed calls of each (at most, with `settle`).
     on_turn: called with the turn number after the warm-up (0) and each timed turn.
+    settle: a program leaves the turns once its timed runs are `SETTLE_RUNS` or more and,
+      the slowest one aside, within `SETTLE_SPREAD` of their median (default False: every
+      program runs `repeats` times); the others go on, in turns, up to `repeats`.
+    outputs: None (default), or a list that gets each program's last output, in order
+      (what a check of the results can use instead of calling the programs again).
 
   Returns:
-    list of dicts {"median", "min", "max"} in seconds, one per (fn, args).
+    list of dicts {"median", "min", "max", "runs"} in seconds (runs: timed calls), one per
+    (fn, args).
   """
-  for fn, args in fns_args:
-    jax.block_until_ready(fn(*args))
+  last = [jax.block_until_ready(fn(*args)) for fn, args in fns_args]
   if on_turn:
     on_turn(0)
   times = [[] for _ in fns_args]
+
+  def settled(t):
+    if not settle or len(t) < SETTLE_RUNS:
+      return False
+    fastest, *_, second_slowest, _ = sorted(t)
+    return second_slowest - fastest <= SETTLE_SPREAD * statistics.median(t)
+
   for turn in range(repeats):
     for i, (fn, args) in enumerate(fns_args):
+      if settled(times[i]):
+        continue
+      last[i] = None  # its buffers freed before the call, as between the calls of a loop
       t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
+      last[i] = jax.block_until_ready(fn(*args))
       times[i].append(time.perf_counter() - t0)
     if on_turn:
       on_turn(turn + 1)
-  return [{"median": statistics.median(t), "min": min(t), "max": max(t)} for t in times]
+  if outputs is not None:
+    outputs.extend(last)
+  return [
+    {"median": statistics.median(t), "min": min(t), "max": max(t), "runs": len(t)} for t in times
+  ]
 
 
 def routing_log_popularity(routing, num_experts, k, *, num_devices=8, zipf_s=1.2, seed=0):

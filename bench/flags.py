@@ -13,8 +13,9 @@ from bench import LEVELS, MODES, ROUTINGS, models
 
 PRESETS = {
   # jit_ragged_dot is left out of the default (XLA replicates its work on every device, so
-  # it is the slowest by far); --impls or --sweep include it. 5 repeats: 8 simulated
-  # devices share the host's cores, and medians of fewer repeats move between runs.
+  # it is the slowest by far); --impls or --sweep include it. Up to 5 repeats: 8 simulated
+  # devices share the host's cores, and a program whose runs spread is timed more
+  # (`common.time_in_turns`'s settle).
   "default": dict(
     tokens=8192,
     d_model=512,
@@ -201,6 +202,14 @@ def parser():
     "(jit_gshard_einsum, dense_limit, matmul_limit, torch_moe) run for the float one",
   )
   p.add_argument(
+    "--adapters",
+    metavar="RANKS",
+    help="layer level: comma-separated LoRA ranks R put on every routed-expert matrix "
+    "(ms.add_adapters; 0: none), each a row of its own, timed in turns with the others: "
+    "e.g. 0,16 measures the adapters' extra time. Rows that take float matrices only "
+    "(jit_gshard_einsum, dense_limit, matmul_limit, torch_moe) run without",
+  )
+  p.add_argument(
     "--param-layout",
     choices=("default", "program"),
     default="default",
@@ -225,7 +234,13 @@ def parser():
   p.add_argument("--impls", help="comma-separated from " + ", ".join(_impl_names()))
   p.add_argument("--levels", help="comma-separated from layer, kernel")
   p.add_argument("--modes", help="comma-separated from fwd, fwd_bwd")
-  p.add_argument("--repeats", type=int, help="timed runs per program after a warm-up")
+  p.add_argument(
+    "--repeats",
+    type=int,
+    help="timed runs per program after a warm-up, at most: a program whose runs are 3 or "
+    "more and, the slowest aside, within 10%% of their median is done "
+    "(bench.common.SETTLE_RUNS, SETTLE_SPREAD)",
+  )
   p.add_argument(
     "--capacity-factor",
     type=float,
@@ -378,6 +393,14 @@ def settings(a):
       f"--weights-format {','.join(quantized)} needs an impl that takes quantized matrices "
       f"(from {', '.join(takes)}; got --impls {','.join(s['impls'])})"
     )
+  s["adapter_ranks"] = adapter_ranks(a.adapters)
+  if any(s["adapter_ranks"]) and "kernel" in s["levels"]:
+    raise UsageError("--adapters puts adapters on the layer's experts: --levels layer only")
+  if any(s["adapter_ranks"]) and not any(i in takes for i in s["impls"]):
+    raise UsageError(
+      f"--adapters needs an impl of the library's layer (from {', '.join(takes)}; got "
+      f"--impls {','.join(s['impls'])})"
+    )
   s["expert_type"] = a.expert_type or s.get("expert_type", "swiglu")
   s["expert_bias"] = a.expert_bias or s.get("expert_bias", False)
   if (s["expert_type"] != "swiglu" or s["expert_bias"]) and "kernel" in s["levels"]:
@@ -386,6 +409,22 @@ def settings(a):
       "(the kernel level runs one [D, F] matrix per expert)"
     )
   return s
+
+
+def adapter_ranks(value):
+  """The ranks of `--adapters`, in order without repeats ([0]: none, when `value` is None)."""
+  if value is None:
+    return [0]
+  ranks = []
+  for item in value.split(","):
+    try:
+      r = int(item)
+    except ValueError:
+      raise UsageError(f"--adapters takes comma-separated ranks >= 0 (got {value!r})") from None
+    if r < 0:
+      raise UsageError(f"--adapters takes comma-separated ranks >= 0 (got {value!r})")
+    ranks.append(r)
+  return list(dict.fromkeys(ranks))
 
 
 def weights_formats(value, dtype):

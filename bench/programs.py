@@ -57,6 +57,7 @@ class Size:
   num_shared_experts: int = 0  # layer level: dense SwiGLU experts of width F on every token
   # The routed experts' matrices: None (float, in `dtype`) or "int8", "fp8", "mxfp4".
   weights_format: str | None = None
+  adapter_rank: int = 0  # layer level: a LoRA adapter of this rank on every matrix (0: none)
   expert_type: str = "swiglu"  # layer level: MoEConfig.expert_type and expert_bias
   expert_bias: bool = False
   # The layer's router (MoEConfig fields): sigmoid scores, group-limited top-k, scaling.
@@ -127,6 +128,11 @@ def check_combination(size, E, mesh, level):
             f"weights format {size.weights_format!r} needs the {axis} dimension of every "
             f"[{i}, {o}] expert matrix divisible by its block ({block}); got {n}"
           )
+  if size.adapter_rank and (level != "layer" or size.adapter_rank > min(size.D, size.F)):
+    raise ValueError(
+      f"adapters of rank {size.adapter_rank} go on the layer's [D, F] matrices: layer level, "
+      f"rank <= min(D, F) = {min(size.D, size.F)}"
+    )
   if level != "layer" and (size.expert_type != "swiglu" or size.expert_bias):
     raise ValueError("expert_type and expert_bias are layer settings: layer level only")
   if level == "layer" and size.D < 2:
@@ -232,6 +238,8 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   else:
     params = ms.init_moe_params(jax.random.key(seed), cfg, mesh=mesh)
   params = dataclasses.replace(params, router_DE=put(router, rep, np.float32))
+  if size.adapter_rank:
+    params = with_adapters(params, size.adapter_rank, dtype, abstract, seed)
   experts = (
     host_top_k(x.reshape(T, D), router, K, dtype, size)
     if whole
@@ -239,7 +247,38 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
   )
   args = (params, put(x, tok, dtype), put(draw(B, T // B, D), tok, dtype))
   routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * (K + size.num_shared_experts)
+  # An adapter's two matmuls per expert matrix: (D + F) * R multiply-adds a row, each.
+  routed += 3 * 2.0 * (D + F) * size.adapter_rank * T * K
   return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg)
+
+
+def with_adapters(params, rank, dtype, abstract, seed):
+  """`params` with an adapter of rank `rank` on every routed-expert matrix (`ms.add_adapters`;
+  b drawn small instead of zeros, so that nothing is constant), a and b in `dtype`, placed
+  like the matrices' expert axis. `abstract`: ShapeDtypeStructs with those shardings."""
+  if not abstract:
+    ad = ms.add_adapters(params, rank=rank, key=jax.random.key(seed + 1), dtype=dtype)
+    experts = ad.experts
+    new = {}
+    for f in dataclasses.fields(experts):
+      a = getattr(experts, f.name)
+      if isinstance(a, ms.Adapter):
+        b = jax.jit(lambda b: b + 1e-3, out_shardings=a.b.sharding)(a.b)
+        new[f.name] = dataclasses.replace(a, b=b)
+    return dataclasses.replace(ad, experts=dataclasses.replace(experts, **new))
+  experts = params.experts
+  new = {}
+  for f in dataclasses.fields(experts):
+    w = getattr(experts, f.name)
+    if w is None or f.metadata.get("static") or len(w.shape) != 3:
+      continue
+    *lead, I, O = w.shape
+    arr = w.values if ms.quant.is_quantized(w) else w
+    sharding = NamedSharding(arr.sharding.mesh, P(arr.sharding.spec[0], None, None))
+    a = jax.ShapeDtypeStruct((*lead, I, rank), dtype, sharding=sharding)
+    b = jax.ShapeDtypeStruct((*lead, rank, O), dtype, sharding=sharding)
+    new[f.name] = ms.Adapter(w, a, b)
+  return dataclasses.replace(params, experts=dataclasses.replace(experts, **new))
 
 
 def quantized(w_EDF, fmt, mesh):

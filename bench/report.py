@@ -24,9 +24,12 @@ def weights_format(row):
 
 
 def weights(row):
-  """`weights_format(row)`, with ", program's layout" where the parameters were held in the
-  layouts the compiled program picked (`--param-layout program`)."""
+  """`weights_format(row)`, with " + LoRA r=R" for rows with expert adapters (`--adapters`)
+  and ", program's layout" where the parameters were held in the layouts the compiled
+  program picked (`--param-layout program`)."""
   fmt = weights_format(row)
+  if row.get("adapter_rank"):
+    fmt = f"{fmt} + LoRA r={row['adapter_rank']}"
   return f"{fmt}, program's layout" if row.get("param_layout") == "program" else fmt
 
 
@@ -36,18 +39,25 @@ def quantized_rows(rows):
 
 
 def float_only_note(rows):
-  """The impls that ran for the float weights only, in words ("" when none)."""
+  """The impls that ran for the float weights only (without adapters), in words ("" when
+  none)."""
   if not quantized_rows(rows):
     return ""
   by = {}
   for r in rows:
-    by.setdefault(r["impl"], set()).add(weights_format(r) != r.get("dtype"))
+    other = weights_format(r) != r.get("dtype") or bool(r.get("adapter_rank"))
+    by.setdefault(r["impl"], set()).add(other)
   only = [i for i, q in by.items() if q == {False}]
   if not only:
     return ""
+  plain = (
+    "float weights only, without adapters"
+    if any(r.get("adapter_rank") for r in rows)
+    else "float weights only"
+  )
   return (
-    f"\n{', '.join(only)}: float weights only (they compute with float matrices of their "
-    "own); the quantized rows' eff. is the float dense limit's time over theirs.\n"
+    f"\n{', '.join(only)}: {plain} (they compute with float matrices of their "
+    "own); the other rows' eff. is the float dense limit's time over theirs.\n"
   )
 
 

@@ -143,17 +143,21 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   cases = sizes_and_cases(s) + (sizes_and_cases(SCALING) if s["scaling"] else [])
   # The routed experts' matrices: None (float, the case's dtype) or a quantized format.
   formats = [None if f == s["dtype"] else f for f in s.get("weights_formats", [s["dtype"]])]
+  # Each format with each adapter rank (0: none): a row of its own, timed in turns together.
+  variants = [(f, r) for f in formats for r in s.get("adapter_ranks", [0])]
   for size, (lv, E, _) in cases:  # every impossible combination before any work
-    for fmt in formats:
+    for fmt, rank in variants:
       try:
-        progs.check_combination(dataclasses.replace(size, weights_format=fmt), E, mesh, lv)
+        progs.check_combination(
+          dataclasses.replace(size, weights_format=fmt, adapter_rank=rank), E, mesh, lv
+        )
       except ValueError as err:
         raise UsageError(str(err)) from None
 
-  def impls_for(fmt):  # rows that take float matrices only run for the float weights
-    return [i for i in s["impls"] if fmt is None or BENCH_IMPLS[i].quantized]
+  def impls_for(fmt, rank):  # rows that take float matrices only run for the float weights
+    return [i for i in s["impls"] if (fmt is None and not rank) or BENCH_IMPLS[i].quantized]
 
-  n_prog = sum(len(impls_for(f)) for f in formats) * len(s["modes"])
+  n_prog = sum(len(impls_for(f, r)) for f, r in variants) * len(s["modes"])
   per_case = n_prog + (n_prog if tpu_topology else s["repeats"] + 2)
   bar = Progress(len(cases) * per_case, progress_enabled)
   rows = []
@@ -163,8 +167,8 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
     timed = []  # every format's programs, timed in turns together
     case_rows = []
     checks = []  # (case, its rows, its timed programs, kept) of each format
-    for fmt in formats:
-      size = dataclasses.replace(base_size, weights_format=fmt)
+    for fmt, rank in variants:
+      size = dataclasses.replace(base_size, weights_format=fmt, adapter_rank=rank)
       case = progs.make_case(
         level, E, routing, size, mesh, abstract=bool(tpu_topology), seed=a.seed
       )
@@ -172,23 +176,28 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
       fmt_rows, fmt_timed = [], []
       checks.append((case, fmt_rows, fmt_timed, kept))
       _run_format(
-        s, a, case, impls_for(fmt), mesh_name, tpu_topology, bar, fmt_rows, fmt_timed, kept
+        s, a, case, impls_for(fmt, rank), mesh_name, tpu_topology, bar, fmt_rows, fmt_timed, kept
       )
       case_rows += fmt_rows
       timed += fmt_timed
     if not tpu_topology:
+      outputs = []  # each timed program's last output, which `_errors` checks
       times = common.time_in_turns(
         [(c, args) for c, args, _ in timed],
         s["repeats"],
         on_turn=lambda i: bar.step(
           f"{'warmed up' if i == 0 else f'timed turn {i}'} {level} E={E} {routing}"  # noqa: B023 (called within this iteration)
         ),
+        settle=True,
+        outputs=outputs,
       )
       for (_, _, row), t in zip(timed, times):
         row["time_s"] = t
         row["gflops"] = row["routed_flops"] / t["median"] / 1e9
+      last = {id(row): out for (_, _, row), out in zip(timed, outputs)}
       for case, fmt_rows, fmt_timed, kept in checks:
-        _errors(case, fmt_rows, fmt_timed, kept)
+        _errors(case, fmt_rows, fmt_timed, kept, last)
+      del outputs[:], last
       bar.step(f"checked {level} E={E} {routing}")
     _efficiency(case_rows)
     rows += case_rows
@@ -234,6 +243,7 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
         K=size.K,
         dtype=size.dtype,
         weights_format=size.weights_format or size.dtype,
+        **({"adapter_rank": size.adapter_rank} if size.adapter_rank else {}),
         mesh=mesh_name,
         devices=mesh.size,
         **({"expert_fsdp_axis": size.expert_fsdp_axis} if size.expert_fsdp_axis else {}),
@@ -457,7 +467,7 @@ def _executed_flops(compiled, trips):
   return sum(f["executed"] for f in per_device), per_device[i], trips[i]
 
 
-def _errors(case, rows, timed, kept):
+def _errors(case, rows, timed, kept, outputs):
   """Each forward's error against the reference computed in NumPy from the host routing
   (`bench/reference.py`, float32 with float64 sums, on the same rounded inputs) without the
   items each implementation drops (`kept`: impl -> bool[T, K] or None): `rel_err`,
@@ -465,7 +475,8 @@ def _errors(case, rows, timed, kept):
   layer's reported rounds and drops are recorded beside.
 
   `rel_err` is the dtype's rounding (about 1e-6 in float32, 1e-3 in bfloat16) unless items
-  go wrong. `max_abs_err` is one element's: a token routed to another expert than the
+  go wrong. `outputs`: id(row) -> the last output of the row's timed program
+  (`common.time_in_turns`), which is checked. `max_abs_err` is one element's: a token routed to another expert than the
   host's (a near tie in its router logits, which XLA:GPU computes in TF32 by default) puts
   a whole expert's output there, O(|y|), while adding about sqrt(1/T) to `rel_err`."""
   import jax
@@ -477,15 +488,18 @@ def _errors(case, rows, timed, kept):
   if jax.process_count() > 1:
     return  # the outputs are not all on this process
   # Quantized matrices as the float values they stand for: the reference of the
-  # dequantized weights (`ms.dequantize_experts`), which the layer computes with.
+  # dequantized weights (`ms.dequantize_experts`), which the layer computes with; adapters
+  # folded into their matrices (`ms.merge_adapters`).
   host = [
     np.asarray(jax.device_get(v.dequantize() if ms.quant.is_quantized(v) else v))
     if not hasattr(v, "router_DE")
-    else jax.tree.map(lambda a: np.asarray(jax.device_get(a)), ms.dequantize_experts(v))
+    else jax.tree.map(
+      lambda a: np.asarray(jax.device_get(a)), ms.dequantize_experts(ms.merge_adapters(v))
+    )
     for v in case.args
   ]
   refs = {}
-  for compiled, args, row in timed:
+  for _, _, row in timed:
     if row["mode"] != "fwd":
       continue
     if row["impl"] not in kept:
@@ -498,7 +512,7 @@ def _errors(case, rows, timed, kept):
         if case.level == "kernel"
         else reference.layer(host[0], host[1], case.cfg, case.experts_TK, kept=keep)
       )
-    out = compiled(*args)
+    out = outputs[id(row)]  # the program's last timed output
     y = out if case.level == "kernel" else out[0]
     if case.level == "layer":  # what the layer reports, against the host's count
       row["rounds_reported"], row["dropped_reported"] = int(out[2]), int(out[3])

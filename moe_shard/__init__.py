@@ -11,6 +11,7 @@ Shape letters (array names carry them as a suffix, e.g. `x_TD`, `experts_TK`):
     B  batch                      S  sequence
     M  rows of a grouped matmul   G  groups of a grouped matmul
     I  (token, slot) items, T*K   Q  rows of a padded buffer (gmm_tiled)
+    R  rank of an expert adapter
 
 Inside a `shard_map` body the letters are per-device sizes.
 
@@ -19,12 +20,21 @@ behind its optional extra and not imported here: `moe_shard.nnx.MoE` (Flax NNX) 
 `moe_shard.equinox.MoE` (Equinox).
 
 Quantized expert matrices (int8, FP8, MXFP4): `quantize_experts`, `dequantize_experts`,
-`QuantizedArray` (quant.py).
+`QuantizedArray` (quant.py). Fine-tuning (adapters.py): `trainable_mask`, `split_trainable`,
+`merge_trainable`, and low-rank expert adapters `add_adapters`, `merge_adapters`, `Adapter`.
 
 Four tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py), the
 expert FFNs `EXPERTS` (experts.py) and the grouped-matmul `BACKENDS` (grouped_matmul.py).
 """
 
+from moe_shard.adapters import (
+  Adapter,
+  add_adapters,
+  merge_adapters,
+  merge_trainable,
+  split_trainable,
+  trainable_mask,
+)
 from moe_shard.balance import (
   expert_load,
   load_balancing_loss,
@@ -86,6 +96,7 @@ __all__ = [
   "MOE_ROUTER_LOGITS",
   "PLATFORM_BACKENDS",
   "ROUTERS",
+  "Adapter",
   "ClampedSwiGLU",
   "Dispatch",
   "ExpertFFN",
@@ -100,6 +111,7 @@ __all__ = [
   "Router",
   "Routing",
   "SwiGLU",
+  "add_adapters",
   "capacity",
   "choose_impl",
   "dequantize_experts",
@@ -109,6 +121,8 @@ __all__ = [
   "grouped_matmul",
   "init_moe_params",
   "load_balancing_loss",
+  "merge_adapters",
+  "merge_trainable",
   "mesh_in_scope",
   "moe_all_gather",
   "moe_all_to_all",
@@ -122,6 +136,8 @@ __all__ = [
   "quantize_experts",
   "router_z_loss",
   "sequence_balance_loss",
+  "split_trainable",
   "top_k_routing",
+  "trainable_mask",
   "update_router_bias",
 ]

@@ -49,7 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from moe_shard import _checks
-from moe_shard.quant import expand, is_quantized
+from moe_shard.quant import check_quantized, expand, is_quantized, stop_gradient
 from moe_shard.remat import MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP
 
 if TYPE_CHECKING:
@@ -301,12 +301,15 @@ def shared_experts(shared: Any, x_TD: Float[Array, "T D"]) -> Float[Array, "T D"
 
   The leaves of `shared` (a `SwiGLU`) have the shared-expert axis first (written `e` in the
   einsums): every token goes through every shared expert, and the down projection sums
-  over them.
+  over them. A matrix may be a `QuantizedArray` (frozen: its gradient stopped), dequantized
+  whole to x's dtype: the shared experts are dense matmuls over every token, which XLA
+  fuses the decode into.
   """
 
   def matmul(x, w):  # [T, D] @ [e, D, F] -> [T, e, F], then [T, e, F] @ [e, F, D] -> [T, D]
     spec = "td,edf->tef" if x.ndim == 2 else "tef,efd->td"
-    return jnp.einsum(spec, x, w.astype(x_TD.dtype), preferred_element_type=jnp.float32)
+    w = stop_gradient(w).dequantize(x_TD.dtype) if is_quantized(w) else w.astype(x_TD.dtype)
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
   return shared(x_TD, matmul)
 
@@ -413,7 +416,9 @@ def as_ffn(fn: str, w: Any) -> tuple[Any, int]:
   sizes = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(w, is_leaf=is_quantized):
     name = "w" + jax.tree_util.keystr(path)
-    if not is_quantized(leaf):  # a QuantizedArray holds integer or FP8 codes
+    if is_quantized(leaf):  # integer or FP8 codes and their scales
+      check_quantized(fn, name, leaf)
+    else:
       leaf = _checks.float_array(fn, name, leaf)
     if leaf.ndim < 1:
       raise ValueError(f"{fn}: {name} must have the expert axis first (got a scalar)")

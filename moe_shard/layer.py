@@ -52,7 +52,7 @@ from moe_shard.config import MoEConfig, check_config
 from moe_shard.dispatch import choose_impl, get_dispatch
 from moe_shard.experts import shared_experts
 from moe_shard.params import MoEParams, _check_params, check_split_axes, moe_param_specs
-from moe_shard.quant import expand, is_quantized
+from moe_shard.quant import expand, freeze, is_quantized
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
 from moe_shard.sharding import (
@@ -240,6 +240,9 @@ def moe_layer(
     TypeError, ValueError: a bad cfg, mesh, x (rank, dtype, d_model) or params (a leaf
       missing or of the wrong shape, named), or `cfg.routing_groups` not dividing B * S, at
       trace time.
+    TypeError: differentiating params in a quantized matrix (a `QuantizedArray`'s float
+      scales or FP8 values), at trace time: quantized matrices are frozen; differentiate
+      the leaves of `split_trainable(params)[0]` (docs/guides/quantization.md).
   """
   fn = "moe_layer"
   check_config(fn, cfg)
@@ -249,6 +252,8 @@ def moe_layer(
       f"{fn}: x_BSD must have shape [B, S, d_model={cfg.d_model}] (got shape {tuple(x_BSD.shape)})"
     )
   _check_params(fn, params, cfg)
+  # Differentiating a quantized matrix raises (naming it): it has no gradient to apply.
+  params = freeze(fn, params)
   mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
   check_split_axes(fn, cfg, mesh)
   T = x_BSD.shape[0] * x_BSD.shape[1]

@@ -7,7 +7,9 @@ meet the rows:
   * `GroupedMatmul`: rows sorted by expert, the leaves `[G, ...]` (every sorting dispatch);
   * `MaskedMatmul`: one local expert, its rows in any order, padding rows masked.
 
-Each takes a float matrix or a `QuantizedArray` (`quant.py`) where it takes `w`. A quantized
+Each takes a float matrix, a `QuantizedArray` (`quant.py`) or an `Adapter` (`adapters.py`:
+a matrix and its low-rank update, applied as `x @ w + scale * (x @ a) @ b` by the same
+matmul: three matmuls of the same rows, `adapters.apply`) where it takes `w`. A quantized
 matrix is frozen (its gradient is stopped) and is dequantized a piece at a time: per block
 or group inside the grouped matmul's backends (`kernels/grouped_matmul.py`, which
 `MaskedMatmul` calls with one group of all its rows for FP8 and MXFP4, and for int8 at up to
@@ -24,7 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from moe_shard import quant
+from moe_shard import adapters, quant
 from moe_shard.kernels.grouped_matmul import grouped_matmul
 
 
@@ -45,6 +47,8 @@ class DenseMatmul:
   """
 
   def __call__(self, x_MD: Float[Array, "M D"], w_DF: Any) -> Float[Array, "M F"]:
+    if adapters.is_adapter(w_DF):
+      return adapters.apply(self, x_MD, w_DF)
     w_DF = as_operand(w_DF, x_MD.dtype)
     return jnp.einsum("md,df->mf", x_MD, w_DF, preferred_element_type=jnp.float32)
 
@@ -72,6 +76,8 @@ class GroupedMatmul:
 
   def __call__(self, x_MD: Float[Array, "M D"], w_GDF: Any) -> Float[Array, "M F"]:
     """`y[m] = x[m] @ w[group of m]`, zeros past `sum(group_sizes_G)`."""
+    if adapters.is_adapter(w_GDF):
+      return adapters.apply(self, x_MD, w_GDF)
     return grouped_matmul(
       x_MD, w_GDF, self.group_sizes_G, impl=self.impl, preferred_element_type=self.out_dtype
     )
@@ -121,6 +127,8 @@ class MaskedMatmul:
 
   def __call__(self, x_MD: Float[Array, "M D"], w_GDF: Any) -> Float[Array, "M F"]:
     """`y[m] = x[m] @ w[0]` where `valid_M[m]`, zeros elsewhere."""
+    if adapters.is_adapter(w_GDF):
+      return adapters.apply(self, x_MD, w_GDF)
     if len(w_GDF.shape) != 3 or w_GDF.shape[0] != 1:
       raise ValueError(f"MaskedMatmul: w_GDF must be [1, D, F] (got {tuple(w_GDF.shape)})")
     out = x_MD.dtype if self.out_dtype is None else self.out_dtype

@@ -20,10 +20,11 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from moe_shard import _checks
+from moe_shard.adapters import is_adapter
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.experts import ExpertFFN, SwiGLU
 from moe_shard.parallel.common import split_specs
-from moe_shard.quant import is_quantized, quantize_experts
+from moe_shard.quant import check_quantized, is_quantized, quantize_experts
 from moe_shard.sharding import is_concrete, resolve_mesh, split_axis_size, tracing
 
 
@@ -296,9 +297,11 @@ def _check_params(fn, params, cfg):
     raise TypeError(
       f"{fn}: params must be a MoEParams from init_moe_params (got {type(params).__name__})"
     )
-  # Compared as matrices: a QuantizedArray (taken whole) stands where a float matrix may.
+  # Compared as matrices: a QuantizedArray or an Adapter (taken whole) stands where a float
+  # matrix may.
   shapes = moe_param_shapes(dataclasses.replace(cfg, weights_format=None))
-  leaves = lambda t: jax.tree_util.tree_leaves_with_path(t, is_leaf=is_quantized)
+  matrix = lambda x: is_quantized(x) or is_adapter(x)
+  leaves = lambda t: jax.tree_util.tree_leaves_with_path(t, is_leaf=matrix)
   want = {jax.tree_util.keystr(p): s for p, s in leaves(shapes)}
   got = {jax.tree_util.keystr(p): a for p, a in leaves(params)}
   if want.keys() != got.keys():
@@ -318,7 +321,10 @@ def _check_params(fn, params, cfg):
     )
   for k, s in want.items():
     a = got[k]
+    if is_adapter(a):
+      a = _check_adapter(fn, f"params{k}", a)
     if is_quantized(a):
+      check_quantized(fn, f"params{k}", a)
       if cfg.weights_format not in (None, a.fmt):
         raise ValueError(
           f"{fn}: params{k} must be quantized as {cfg.weights_format!r} for this MoEConfig "
@@ -343,3 +349,19 @@ def _check_params(fn, params, cfg):
       raise ValueError(
         f"{fn}: params.experts.{f.name} must be {want_v!r} for this MoEConfig (got {got_v!r})"
       )
+
+
+def _check_adapter(fn, name, ad):
+  """Raises unless an `Adapter`'s a [..., I, R] and b [..., R, O] are float arrays that fit
+  its matrix [..., I, O]; returns the matrix."""
+  a = _checks.float_array(fn, f"{name}.a", ad.a)
+  b = _checks.float_array(fn, f"{name}.b", ad.b)
+  *lead, I, O = ad.w.shape
+  R = a.shape[-1] if a.ndim else 0
+  if tuple(a.shape) != (*lead, I, R) or tuple(b.shape) != (*lead, R, O):
+    raise ValueError(
+      f"{fn}: {name} is an Adapter of a matrix {tuple(ad.w.shape)}: a must be [..., I, R] "
+      f"and b [..., R, O] with the matrix's leading axes (got a {tuple(a.shape)}, b "
+      f"{tuple(b.shape)})"
+    )
+  return ad.w

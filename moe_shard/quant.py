@@ -25,7 +25,9 @@ scale per output channel, as a matmul's per-column scale.
 The grouped matmuls take a `QuantizedArray` where they take a matrix and dequantize it a
 block at a time (`matmuls.py`, `kernels/`). The layer computes with exactly the values
 `dequantize()` gives, cast to the compute dtype. Quantized matrices are frozen: the matmuls
-stop their gradient, so scales (and FP8 values) get zeros and integer values JAX's float0.
+stop their gradient (a direct call gives scales and FP8 values zeros, integer values JAX's
+float0), and `moe_layer` raises when differentiated in one (`freeze`): train the other
+leaves (`adapters.split_trainable`).
 
 qwix's `QArray` is not used: it imports Flax (an optional extra of this package), holds FP4
 codes one per element rather than gpt-oss's two per byte, and its dequantization broadcasts
@@ -39,8 +41,11 @@ import functools
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
+
+from moe_shard.sharding import auto
 
 FORMATS = ("int8", "fp8", "mxfp4")
 # Rows (input channels) x columns (output channels) of one scale, per format; None: the
@@ -58,6 +63,7 @@ FP4_VALUES = np.array(
   np.float32,
 )
 E8M0_BIAS = 127
+E8M0_NAN = 255  # the OCP MX spec's NaN scale
 
 
 @jax.tree_util.register_dataclass
@@ -127,10 +133,11 @@ def _decode(values, fmt):
 
 
 def scale_values(scales, fmt):
-  """f32 scales from the stored ones (mxfp4: 2 ** (exponent - 127))."""
+  """f32 scales from the stored ones (mxfp4: 2 ** (exponent - 127); 0xFF is NaN)."""
   if fmt != "mxfp4":
     return scales.astype(jnp.float32)
-  return jnp.ldexp(jnp.float32(1), scales.astype(jnp.int32) - E8M0_BIAS)
+  s = scales.astype(jnp.int32)
+  return jnp.where(s == E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1), s - E8M0_BIAS))
 
 
 def _scale_grid(q):
@@ -162,6 +169,58 @@ def check_blocks(fn: str, name: str, shape: tuple[int, ...], fmt: str) -> None:
       )
 
 
+# The stored dtypes of each format: (values, scales).
+STORED_DTYPES = {
+  "int8": (jnp.dtype(jnp.int8), jnp.dtype(jnp.float32)),
+  "fp8": (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)),
+  "mxfp4": (jnp.dtype(jnp.uint8), jnp.dtype(jnp.uint8)),
+}
+
+
+def scales_shape(fmt: str, values_shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The shape of the scales that go with values of `values_shape` in `fmt`."""
+  *lead, rows, cols = values_shape
+  rows = 2 * rows if fmt == "mxfp4" else rows
+  bi, bo = BLOCKS[fmt]
+  return (*lead, 1 if bi is None else rows // bi, cols // bo)
+
+
+def check_quantized(fn: str, name: str, q: Any) -> None:
+  """Raises unless `q` is a `QuantizedArray` whose values and scales have the dtypes and
+  shapes of its format (module docstring): checked where one enters the layer, a dispatch
+  or the grouped matmul, at trace time.
+
+  Raises:
+    ValueError: an unknown format, values of rank below 2, a matrix the format's blocks do
+      not divide, or scales of another shape than the values imply (another number of
+      experts, [E, F] for int8's [E, 1, F], ...).
+    TypeError: values or scales of another dtype than the format stores (int8 values held
+      as uint8, ...), or a logical dtype that is not a float.
+  """
+  fmt = check_format(fn, f"{name}.fmt", q.fmt)
+  values, scales = q.values, q.scales
+  want_v, want_s = STORED_DTYPES[fmt]
+  for part, a, want in (("values", values, want_v), ("scales", scales, want_s)):
+    if jnp.dtype(a.dtype) != want:
+      raise TypeError(
+        f"{fn}: {name}.{part} of a {fmt!r} QuantizedArray must have dtype {want.name} "
+        f"(got {jnp.dtype(a.dtype).name})"
+      )
+  if not jnp.issubdtype(jnp.dtype(q.dtype), jnp.floating):
+    raise TypeError(f"{fn}: {name}.dtype must be a float dtype (got {q.dtype})")
+  if len(values.shape) < 2:
+    raise ValueError(
+      f"{fn}: {name}.values must be a matrix [..., I, O] (got shape {tuple(values.shape)})"
+    )
+  check_blocks(fn, name, q.shape, fmt)
+  want = scales_shape(fmt, tuple(values.shape))
+  if tuple(scales.shape) != want:
+    raise ValueError(
+      f"{fn}: {name}.scales must have shape {want} for {fmt!r} values of shape "
+      f"{tuple(values.shape)} (got {tuple(scales.shape)})"
+    )
+
+
 def quantize(w: jax.Array, fmt: str, *, name: str = "w") -> QuantizedArray:
   """Quantizes a matrix f[..., I, O] (its last two axes; leading axes kept).
 
@@ -169,10 +228,12 @@ def quantize(w: jax.Array, fmt: str, *, name: str = "w") -> QuantizedArray:
   max |w| over each 128 x 128 block / 448, values rounded to the nearest e4m3. mxfp4: per
   32 input rows, the smallest power of two 2^e with max |w| / 2^e <= 6, values rounded to
   the nearest e2m1, ties to the even code (as `hf.mxfp4.quantize`). An all-zero block gets
-  scale 1 (exponent 0 for mxfp4).
+  scale 1 (exponent 0 for mxfp4). A block holding a NaN or an Inf gets a NaN scale (mxfp4:
+  e8m0's NaN, 0xFF) and zero codes: it dequantizes to NaN, which the layer propagates
+  (`quantize_experts` raises on such weights when they are concrete).
 
   Args:
-    w: f[..., I, O], finite.
+    w: f[..., I, O].
     fmt: "int8", "fp8" or "mxfp4".
     name: the argument's name in error messages (default "w").
 
@@ -190,14 +251,19 @@ def quantize(w: jax.Array, fmt: str, *, name: str = "w") -> QuantizedArray:
   bi = rows if bi is None else bi
   v = w.astype(jnp.float32).reshape(*lead, rows // bi, bi, cols // bo, bo)
   amax = jnp.max(jnp.abs(v), axis=(-3, -1))  # [..., I/bi, O/bo]
+  # A NaN or Inf in the block makes its scale NaN (docstring). Counted apart from amax:
+  # XLA:CPU's max may drop a NaN.
+  finite = jnp.all(jnp.isfinite(v), axis=(-3, -1))
   if fmt == "mxfp4":
     exp = jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / FP4_MAX))
     exp = jnp.where(amax > 0, jnp.clip(exp, -E8M0_BIAS, E8M0_BIAS), 0).astype(jnp.int32)
-    scales = (exp + E8M0_BIAS).astype(jnp.uint8)
+    scales = jnp.where(finite, exp + E8M0_BIAS, E8M0_NAN).astype(jnp.uint8)
   else:
     top = INT8_MAX if fmt == "int8" else E4M3_MAX
     scales = jnp.where(amax > 0, amax / top, 1.0).astype(jnp.float32)
-  q = v / scale_values(scales, fmt)[..., :, None, :, None]
+    scales = jnp.where(finite, scales, jnp.nan)
+  q = v / jnp.where(finite, scale_values(scales, fmt), 1.0)[..., :, None, :, None]
+  q = jnp.where(jnp.isfinite(q), q, 0.0)  # a non-finite block's codes: zeros
   q = q.reshape(*lead, rows, cols)
   if fmt == "int8":
     values = jnp.clip(jnp.round(q), -INT8_MAX, INT8_MAX).astype(jnp.int8)
@@ -231,6 +297,67 @@ def stop_gradient(w: Any) -> Any:
   return dataclasses.replace(
     w, values=jax.lax.stop_gradient(w.values), scales=jax.lax.stop_gradient(w.scales)
   )
+
+
+def freeze(fn: str, tree: Any, prefix: str = "params") -> Any:
+  """`tree` with its quantized matrices marked frozen: differentiating one raises TypeError.
+
+  A quantized matrix has no gradient an optimizer could apply: its FP8 values would get
+  float8 zeros (Adam's 0 / (0 + eps) is NaN in e4m3) and its integer values float0 (no
+  arithmetic at all). So a transformation that differentiates the float arrays of a
+  `QuantizedArray` (its scales, FP8 values) fails at trace time, naming the matrices and
+  the way to leave them out; one that differentiates other leaves only (the quantized ones
+  closed over, or split off with `adapters.split_trainable`) is unaffected: the mark is an
+  identity that costs nothing. Integer arrays (int8 and MXFP4 values, MXFP4 scales) are
+  differentiated only under `allow_int=True`, where JAX gives them float0 without tracing
+  them: they cannot be seen here.
+
+  Args:
+    fn: the calling function, for the message.
+    tree: any pytree holding `QuantizedArray`s.
+    prefix: how the message names the root of `tree` (default "params").
+
+  Returns:
+    `tree`, its quantized matrices' arrays passed through the mark.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)
+  names = tuple(prefix + jax.tree_util.keystr(p) for p, a in leaves if is_quantized(a))
+  if not names:
+    return tree
+  arrays = [a.arrays() for _, a in leaves if is_quantized(a)]
+  marked = iter(_frozen((fn, names), arrays))
+  return jax.tree.unflatten(
+    treedef,
+    [dataclasses.replace(a, **dict(zip(("values", "scales"), next(marked)))) if is_quantized(a)
+     else a for _, a in leaves],
+  )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _frozen(where, arrays):
+  return arrays
+
+
+def _frozen_fwd(where, arrays):
+  # Called only when some of `arrays` are differentiated (symbolic zeros: the others are not).
+  fn, names = where
+  hit = [n for n, pair in zip(names, arrays) if any(a.perturbed for a in pair)]
+  raise TypeError(
+    f"{fn}: {', '.join(hit)} {'is a quantized matrix' if len(hit) == 1 else 'are quantized matrices'} "
+    f"(QuantizedArray), frozen: they cannot be differentiated, and an optimizer step on them "
+    f"would corrupt them (float8 zeros make Adam's update NaN). Differentiate the trainable "
+    f"leaves only: `trainable, frozen = ms.split_trainable(params)` and "
+    f"`jax.grad(lambda t: loss(ms.merge_trainable(t, frozen)))(trainable)`; in Equinox "
+    f"`eqx.partition(model, ms.trainable_mask(model))`; in Flax NNX `nnx.grad` (they are not "
+    f"nnx.Param) (docs/guides/quantization.md)"
+  )
+
+
+def _frozen_bwd(where, residuals, cotangents):  # unreachable: the forward rule raises
+  raise AssertionError("quant.freeze: a frozen matrix was differentiated")
+
+
+_frozen.defvjp(_frozen_fwd, _frozen_bwd, symbolic_zeros=True)
 
 
 def zero_cotangent(tree: Any) -> Any:
@@ -268,13 +395,17 @@ def merge(treedef: Any, trainable: list, frozen: list) -> Any:
 
 def expand(prefix: Any, tree: Any) -> Any:
   """`prefix` (a tree with one value where `tree` holds a `QuantizedArray`, such as a
-  `PartitionSpec` or shape letters) with that value given to both values and scales.
+  `PartitionSpec` or shape letters) with that value given to both values and scales (and,
+  where `tree` holds an `adapters.Adapter`, to its matrix, its a and its b by
+  `Adapter.expand_prefix`).
 
   A `PartitionSpec` for the scales names no axis on a dimension where the scales have one
   block for the whole axis (int8's input axis): that dimension is not split.
   """
 
   def one(p, a):
+    if hasattr(a, "expand_prefix"):  # an `adapters.Adapter`: its matrix, a and b
+      return a.expand_prefix(p, one)
     if not is_quantized(a):
       return p
     s = p
@@ -330,23 +461,50 @@ def quantize_experts(params: Any, fmt: str) -> Any:
     `params` with each routed-expert matrix a `QuantizedArray`.
 
   Raises:
-    ValueError: an unknown `fmt`, or a matrix whose shape the format's blocks do not divide.
+    ValueError: an unknown `fmt`, a matrix whose shape the format's blocks do not divide, or
+      (concrete arrays) a matrix holding a NaN or an Inf, named with the first index; traced
+      (under jit), a block holding one is quantized to NaN (`quantize`).
     TypeError: `params` holds no FFN dataclass.
   """
   check_format("quantize_experts", "fmt", fmt)
 
   def one(name, w):
+    if hasattr(w, "expand_prefix"):  # an `adapters.Adapter`: its base matrix quantized
+      return dataclasses.replace(w, w=one(name, w.w))
     if is_quantized(w):
       return w
     check_blocks("quantize_experts", f"experts.{name}", w.shape, fmt)
+    _check_finite(name, w)
     return _quantize_jit(w, fmt)
 
   return _map_experts("quantize_experts", params, one)
 
 
+def _check_finite(name, w):
+  """Raises ValueError if a concrete `w` holds a NaN or an Inf (traced: `quantize` marks the
+  block NaN instead)."""
+  if isinstance(w, jax.core.Tracer):
+    return
+  bad = int(_count_not_finite(w))
+  if bad:
+    first = tuple(int(i) for i in np.argwhere(~np.isfinite(np.asarray(jax.device_get(w))))[0])
+    raise ValueError(
+      f"quantize_experts: experts.{name} must be finite to be quantized (got {bad} NaN or "
+      f"Inf values, the first at index {first})"
+    )
+
+
+@jax.jit
+def _count_not_finite(w):
+  return jnp.sum(~jnp.isfinite(w), dtype=jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _quantize_jit(w, fmt):
-  return quantize(w, fmt)
+  # On an Explicit mesh the blocks' reshapes have no sharding JAX can infer: XLA picks them
+  # (`auto`), and the values and scales come out split like w (`expand`).
+  shapes = jax.eval_shape(lambda w: quantize(w, fmt), jax.ShapeDtypeStruct(w.shape, w.dtype))
+  return auto(lambda w: quantize(w, fmt), w, lambda spec: expand(spec, shapes))(w)
 
 
 def dequantize_experts(params: Any) -> Any:
@@ -368,7 +526,8 @@ def dequantize_experts(params: Any) -> Any:
 
 @jax.jit
 def _dequantize_jit(q):
-  return q.dequantize()
+  # The matrix split like the values (`_quantize_jit`).
+  return auto(lambda q: q.dequantize(), q.values, lambda spec: spec)(q)
 
 
 def expert_bytes(params: Any) -> int:

@@ -818,6 +818,29 @@ def test_quantized_rows_carry_their_format_and_match_the_dequantized_reference(t
   assert "weights_format" in header and "expert_bytes" in header
 
 
+def test_adapter_rows_match_the_folded_reference(tmp_path, capsys):
+  """--adapters 0,4: the (int8) experts with and without adapters of rank 4 on every matrix,
+  a row each (the float-only dense_limit runs for float weights only: no row here); the
+  forward matches the NumPy reference of the matrices with the adapters folded in
+  (`ms.merge_adapters`), and the table says so."""
+  stem = str(tmp_path / "lora")
+  argv = ["-T", "256", "-D", "64", "-F", "64", "-E", "8", "--repeats", "1", "--no-progress"]
+  argv += ["--levels", "layer", "--modes", "fwd", "--impls", "auto,dense_limit"]
+  argv += ["--weights-format", "int8", "--adapters", "0,4", "--out", stem]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  rows = json.loads(pathlib.Path(stem + ".json").read_text())["rows"]
+  assert {(r["impl"], r["weights_format"], r.get("adapter_rank", 0)) for r in rows} == {
+    ("auto", "int8", 0),
+    ("auto", "int8", 4),
+  }
+  for r in rows:
+    assert "error" not in r, r
+    if r["impl"] == "auto":
+      assert r["rel_err"] < 1e-5
+  assert "| int8 + LoRA r=4 |" in out
+
+
 def test_quantized_expert_bytes_and_model_state_by_hand(mesh8):
   """The bytes each device holds of a layer with mxfp4 experts, counted by hand: per expert
   matrix D*F/2 bytes of packed e2m1 codes and D/32*F one-byte exponents (0.53 bytes a
@@ -856,6 +879,8 @@ def test_quantized_expert_bytes_and_model_state_by_hand(mesh8):
       "--weights-format int8 needs an impl that takes quantized matrices",
     ),
     (["--expert-bias", "--levels", "kernel"], "--expert-type and --expert-bias are layer"),
+    (["--adapters", "0,16", "--levels", "kernel"], "--adapters puts adapters on the layer"),
+    (["--adapters", "16,x"], "--adapters takes comma-separated ranks >= 0 (got '16,x')"),
   ],
 )
 def test_bad_weights_format_fails_before_the_run(argv, message, monkeypatch, capsys):
@@ -879,3 +904,30 @@ def test_weights_formats_name_the_float_entry_by_the_case_dtype():
     "mxfp4",
   ]
   assert not impls.BENCH_IMPLS["dense_limit"].quantized and impls.BENCH_IMPLS["auto"].quantized
+
+
+def test_time_in_turns_stops_a_program_whose_runs_settle(monkeypatch):
+  """A program leaves the turns once 3 of its runs, the slowest aside, are within 10% of
+  their median; one whose runs spread wider runs all `repeats`; `outputs` gets each
+  program's last output."""
+  clock = [0.0]
+  monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+
+  def program(durations):
+    calls = iter(durations)
+
+    def fn(i):
+      clock[0] += next(calls)
+      return jnp.full((), i)
+
+    return fn
+
+  steady = program([9.0, 1.0, 1.9, 1.05, 1.0, 1.0])  # the warm-up first; one slow run
+  noisy = program([9.0, 1.0, 2.0, 1.5, 2.0, 1.0])
+  outputs = []
+  times = common.time_in_turns([(steady, (1,)), (noisy, (2,))], 5, settle=True, outputs=outputs)
+  assert times[0]["runs"] == 3
+  assert times[0]["median"] == pytest.approx(1.05) and times[0]["max"] == pytest.approx(1.9)
+  assert times[1]["runs"] == 5 and times[1]["median"] == pytest.approx(1.5)
+  assert [int(o) for o in outputs] == [1, 2]
+  assert common.time_in_turns([(program([1.0, 1.0, 2.0]), (0,))], 2)[0]["runs"] == 2

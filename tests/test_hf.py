@@ -29,6 +29,7 @@ from safetensors.numpy import save_file
 
 import moe_shard as ms
 from moe_shard import hf
+from moe_shard.hf import fp8
 from moe_shard.hf.families import text_config
 
 FAMILIES = sorted(hf_checkpoints.CONFIGS)
@@ -429,6 +430,32 @@ def test_fp8_save_keeps_the_scales_and_encodes_a_changed_value(tmp_path):
     ValueError, match=rf"save_moe_layers: tensor '{name}' has a value of .* beyond FP8 e4m3's 448"
   ):
     hf.save_moe_layers(tmp_path / "big", cfg, too_big, like=src)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_fp8_every_code_comes_back_bit_for_bit(dtype):
+  """What hf/fp8.py's docstring says is bit-exact: each of the 254 finite e4m3 codes (-0
+  included), dequantized in float32 or bfloat16 with a scale from 2^-117 to 2^118 and
+  quantized again with that scale, is the same code; quotients up to one step (32) past
+  448 saturate, further or not finite raise."""
+  codes = np.arange(256, dtype=np.uint8).view(fp8.E4M3)
+  codes = codes[np.isfinite(codes.astype(np.float32))].reshape(2, 127)
+  assert codes.size == 254
+  for e in range(-117, 119, 3):
+    scale = np.full((1, 1), np.float32(2.0**e * 1.37), np.float32)
+    values = fp8.dequantize(codes, scale, (128, 128), dtype)
+    _assert_bits_equal(fp8.quantize("w", values, scale, (128, 128)), codes)
+  one = np.ones((1, 1), np.float32)
+  np.testing.assert_array_equal(
+    fp8.quantize("w", np.float32([[479.0, -470.0]]), one, (128, 128)).astype(np.float32),
+    [[448.0, -448.0]],
+  )
+  with pytest.raises(
+    ValueError, match=r"tensor 'w' has a value of 481.0 times .* more than one step"
+  ):
+    fp8.quantize("w", np.float32([[481.0]]), one, (128, 128))
+  with pytest.raises(ValueError, match=r"tensor 'w' holds a value that is not finite"):
+    fp8.quantize("w", np.float32([[np.nan]]), one, (128, 128))
 
 
 def test_fp8_rows_that_start_inside_a_scale_block(tmp_path, mesh24):

@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 import moe_shard as ms
 from moe_shard import hf
 from moe_shard.hf import fp8, layouts
-from moe_shard.quant import QuantizedArray, expert_bytes, is_quantized, quantize_experts
+from moe_shard.quant import QuantizedArray, expand, expert_bytes, is_quantized, quantize_experts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FP8_128 = dict(
@@ -162,15 +162,17 @@ def mesh24(devices):
 def test_kept_dequantizes_to_the_float_load(tmp_path, monkeypatch, name, dtype):
   folder = checkpoint(name, tmp_path)
   cfg, want = hf.load_moe_layers(folder, dtype=dtype)
-  if name != "deepseek_v3_fp8":  # its shared experts are FP8 too, and load dequantized
-    boom = lambda *a, **k: pytest.fail("a kept matrix was decoded on load")
-    monkeypatch.setattr(layouts, "dequantize", boom)
-    monkeypatch.setattr(fp8, "dequantize", boom)
+  boom = lambda *a, **k: pytest.fail("a kept matrix was decoded on load")
+  monkeypatch.setattr(layouts, "dequantize", boom)
+  monkeypatch.setattr(fp8, "dequantize", boom)
   cfg_q, got = hf.load_moe_layers(folder, dtype=dtype, keep_quantized=True)
   assert cfg_q == dataclasses.replace(cfg, weights_format=CASES[name])
   got, want = named(got, is_quantized), named(want)
   assert sorted(got) == sorted(want)
-  matrices = [k for k in want if k.startswith("experts.") and want[k].ndim == 4]
+  # DeepSeek-V3's shared experts are block-FP8 too: kept as well.
+  kept = ("experts.", "shared.") if name == "deepseek_v3_fp8" else ("experts.",)
+  matrices = [k for k in want if k.startswith(kept) and want[k].ndim == 4]
+  assert len(matrices) == 3 * len(kept)
   assert matrices and all(is_quantized(got[k]) for k in matrices)
   for k, w in want.items():
     a = got[k]
@@ -212,6 +214,33 @@ def test_save_of_kept_gives_back_the_bytes(tmp_path, name):
   )
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3_fp8", "gpt_oss_mxfp4"])
+def test_round_trips_on_the_default_mesh(tmp_path, name):
+  """On jax.make_mesh's default (Explicit) mesh, what a user does: a float load (bfloat16,
+  the default) saved back, and a kept load dequantized (the guide's route) saved back, each
+  give the checkpoint's bytes, FP8's 448 codes included (bfloat16's rounding carries them a
+  little past 448 times their scale; they saturate back); the dequantized matrices keep the
+  experts' split."""
+  folder = checkpoint(name, tmp_path)
+  if name == "deepseek_v3_fp8":  # the fixture holds 448 codes, as real releases do
+    tensors = write_fp8(tmp_path / "again", name)
+    assert any(np.any(np.abs(t.astype(np.float32)) == 448) for t in tensors.values())
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  cfg, floats = hf.load_moe_layers(folder, mesh=mesh)
+  _, kept = hf.load_moe_layers(folder, mesh=mesh, keep_quantized=True)
+  deq = ms.dequantize_experts(kept)
+  assert deq.experts.down_EFD.sharding.spec == P(None, "expert", None, None)
+  assert deq.experts.down_EFD.dtype == cfg.param_dtype
+  assert name != "deepseek_v3_fp8" or cfg.param_dtype == jnp.bfloat16
+  before = raw_tensors(folder)
+  for i, params in enumerate((floats, deq)):
+    hf.save_moe_layers(tmp_path / f"out{i}", cfg, params, like=folder)
+    after = raw_tensors(tmp_path / f"out{i}")
+    assert sorted(after) == sorted(before)
+    for k, t in before.items():
+      assert after[k] == t, k
+
+
 def test_float_checkpoint_loads_as_float(tmp_path):
   hf_checkpoints.write(tmp_path, "mixtral")
   cfg, want = hf.load_moe_layer(tmp_path, 1)
@@ -244,10 +273,13 @@ def test_kept_on_a_mesh_matches_one_device(tmp_path, name, tensor_axis, mesh24):
       assert x.shape == w.shape and x.dtype == w.dtype, (k, part)
       for shard in x.addressable_shards:
         np.testing.assert_array_equal(bits(shard.data), bits(np.asarray(w)[shard.index]))
-  # The library's own specs of the quantized layer agree (values and scales split alike).
-  specs = jax.tree.leaves(ms.moe_param_specs(cfg), is_leaf=lambda x: isinstance(x, P))
-  for a, spec in zip(jax.tree.leaves(got), specs, strict=True):
-    assert a.sharding.spec == P(None, *spec)
+  # The library's own specs of the matrices, given to values and scales alike (the routed
+  # experts', and DeepSeek-V3's kept shared experts'), agree.
+  is_spec = lambda x: isinstance(x, P)
+  specs = ms.moe_param_specs(dataclasses.replace(cfg, weights_format=None))
+  specs = expand(jax.tree.map(lambda s: P(None, *s), specs, is_leaf=is_spec), got)
+  for a, spec in zip(jax.tree.leaves(got), jax.tree.leaves(specs, is_leaf=is_spec), strict=True):
+    assert a.sharding.spec == spec
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -289,6 +321,21 @@ def test_layer_on_kept_mxfp4_matches_transformers(impl, mesh24):
   dx_BSD, y_BSD = grad(jnp.asarray(io["x_BSD"]))
   err_y, err_dx = rel_err(y_BSD, io["y_BSD"]), rel_err(dx_BSD, io["dx_BSD"])
   assert err_y <= 1e-5 and err_dx <= 1e-5, f"y {err_y:.2e}, dx {err_dx:.2e}"
+
+
+def test_layer_on_kept_deepseek_v3_fp8_shared_experts(tmp_path):
+  """DeepSeek-V3 with keep_quantized=True: routed and shared experts FP8 as stored, the layer
+  equals the layer on the float load (the same values: the float load's bytes dequantized)."""
+  folder = checkpoint("deepseek_v3_fp8", tmp_path)
+  cfg, floats = hf.load_moe_layer(folder, 1, dtype=jnp.float32)
+  cfg_q, kept = hf.load_moe_layer(folder, 1, dtype=jnp.float32, keep_quantized=True)
+  assert isinstance(kept.shared.down_EFD, QuantizedArray) and kept.shared.down_EFD.fmt == "fp8"
+  assert cfg_q.weights_format == "fp8"
+  x = jax.random.normal(jax.random.key(0), (2, 4, cfg.d_model))
+  cfg, cfg_q = (dataclasses.replace(c, gmm_impl="ragged_dot") for c in (cfg, cfg_q))
+  y, _ = ms.moe_layer(floats, x, cfg)
+  y_q, _ = ms.moe_layer(kept, x, cfg_q)
+  assert rel_err(y_q, y) <= 1e-6
 
 
 # --------------------------------------------------------------------------- errors

@@ -24,6 +24,7 @@ import layer_oracle
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
 from moe_shard import matmuls, quant
@@ -240,23 +241,22 @@ def test_layer_on_quantized_experts_matches_the_float64_model(impl, on_mesh, fmt
   cfg = dataclasses.replace(cfg, impl=impl)
   mesh = _mesh8() if on_mesh else None
 
-  def loss(params, x):
-    y, aux = ms.moe_layer(params, x, cfg, mesh=mesh)
+  def loss(trainable, frozen, x):
+    y, aux = ms.moe_layer(ms.merge_trainable(trainable, frozen), x, cfg, mesh=mesh)
     return jnp.sum(y * ct) + aux["aux_loss"], y
 
-  (_, y), (gp, gx) = jax.jit(
-    jax.value_and_grad(loss, argnums=(0, 1), has_aux=True, allow_int=True)
-  )(q, jnp.asarray(x))
+  trainable, frozen = ms.split_trainable(q)
+  (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))(
+    trainable, frozen, jnp.asarray(x)
+  )
   _assert_rel(y, y64, "y")
   _assert_rel(gx, g64["x"], "dx")
   _assert_rel(gp.router_DE, g64["router_DE"], "d router_DE")
   for f in ("gate_b_EF", "down_b_ED"):
     _assert_rel(getattr(gp.experts, f), g64[f], f"d experts.{f}")
   assert np.any(np.asarray(gp.shared.down_EFD))  # the shared experts train
-  for f in ("gate_EDF", "up_EDF", "down_EFD"):
-    # Frozen: zeros for float arrays (scales, FP8 values), float0 for integer values.
-    for a in getattr(gp.experts, f).arrays():
-      assert a.dtype == jax.dtypes.float0 or not np.any(np.asarray(a)), f
+  for f in ("gate_EDF", "up_EDF", "down_EFD"):  # split off: no gradient at all
+    assert getattr(gp.experts, f).values is None and getattr(gp.experts, f).scales is None
 
 
 @pytest.mark.parametrize("fmt", ["int8", "mxfp4"])
@@ -324,9 +324,13 @@ def test_nnx_and_equinox_modules_hold_quantized_experts():
   assert not [p for p in paths if "values" in p or "scales" in p], paths
   e = EqxMoE.from_params(cfg, m.moe_params())
   np.testing.assert_array_equal(e(x)[0], m(x)[0])
-  ge = eqx.filter_grad(lambda e: jnp.sum(e(x)[0] ** 2))(e)
-  assert ge.params.experts.gate_EDF.values is None  # integer: not differentiated
-  assert not np.any(np.asarray(ge.params.experts.gate_EDF.scales))  # frozen
+  # The whole module: its float scales would be differentiated, which the layer refuses.
+  with pytest.raises(TypeError, match=re.escape("params.experts.gate_EDF, params.experts.up_EDF")):
+    eqx.filter_grad(lambda e: jnp.sum(e(x)[0] ** 2))(e)
+  trainable, frozen = eqx.partition(e, ms.trainable_mask(e))
+  ge = eqx.filter_grad(lambda t: jnp.sum(eqx.combine(t, frozen)(x)[0] ** 2))(trainable)
+  assert ge.params.experts.gate_EDF.values is None and ge.params.experts.gate_EDF.scales is None
+  assert np.any(np.asarray(ge.params.router_DE))
 
 
 # --------------------------------------------------------------------------- errors
@@ -403,3 +407,217 @@ def test_masked_matmul_int8_takes_the_kernel_at_decode_rows(M):
   mm = ms.MaskedMatmul(jnp.ones((M,), bool))
   jaxpr = str(jax.make_jaxpr(lambda x: mm(x, q))(jnp.zeros((M, D), jnp.bfloat16)))
   assert ("pallas_call" in jaxpr) == (M <= matmuls.KERNEL_ROWS)
+
+
+# --------------------------------------------------------------------------- fine-tuning
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_an_optimizer_cannot_corrupt_quantized_experts(fmt):
+  """The whole tree differentiated: a TypeError naming the frozen matrices whose float
+  scales or values would be differentiated (int8, fp8; MXFP4's arrays are integers, which
+  JAX gives float0 under allow_int without tracing them: documented). The recipe (split by
+  `trainable_mask`, adam on the trainable part) leaves every quantized array as it was, the
+  shared experts quantized too."""
+  import optax
+
+  cfg = _config(fmt)
+  q = ms.quantize_experts(ms.init_moe_params(jax.random.key(0), cfg), fmt)
+  q = dataclasses.replace(q, shared=ms.quantize_experts(q.shared, "int8"))
+  x = jax.random.normal(jax.random.key(1), (B, S, cfg.d_model))
+
+  def loss(params, x):
+    y, aux = ms.moe_layer(params, x, cfg)
+    return jnp.mean(y**2) + aux["aux_loss"]
+
+  if fmt == "mxfp4":  # its routed matrices are integer arrays only: the int8 shared raise
+    with pytest.raises(TypeError, match=re.escape("moe_layer: params.shared.gate_EDF, ")):
+      jax.grad(loss, allow_int=True)(q, x)
+  else:
+    names = "params.experts.gate_EDF, params.experts.up_EDF, params.experts.down_EFD"
+    with pytest.raises(TypeError, match=re.escape(names) + ".*ms.split_trainable"):
+      jax.grad(loss, allow_int=True)(q, x)
+  mask = ms.trainable_mask(q)
+  assert mask.experts.gate_EDF == dataclasses.replace(
+    q.experts.gate_EDF, values=False, scales=False
+  )
+  assert mask.router_DE is True and mask.experts.gate_b_EF is True
+  tx = optax.adam(1e-2)
+
+  @jax.jit
+  def step(trainable, frozen, opt_state, x):
+    value, grads = jax.value_and_grad(lambda t: loss(ms.merge_trainable(t, frozen), x))(trainable)
+    updates, opt_state = tx.update(grads, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state, value
+
+  trainable, frozen = ms.split_trainable(q)
+  opt_state = tx.init(trainable)
+  for _ in range(2):
+    trainable, opt_state, value = step(trainable, frozen, opt_state, x)
+  new = ms.merge_trainable(trainable, frozen)
+  assert np.isfinite(float(value))
+  for a, b in zip(jax.tree.leaves(ms.split_trainable(new)[1]), jax.tree.leaves(frozen)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+  assert not np.array_equal(new.router_DE, q.router_DE)
+
+
+def test_trainable_mask_freezes_the_router_bias():
+  cfg = _config("int8", bias_balancing=True, num_shared_experts=0)
+  params = ms.init_moe_params(jax.random.key(0), cfg)
+  mask = ms.trainable_mask({"moe": params, "embed": jnp.zeros(3)})
+  assert mask["moe"].router_bias is False and mask["moe"].router_DE is True
+  assert mask["embed"] is True
+  trainable, frozen = ms.split_trainable(params)
+  assert trainable.router_bias is None and frozen.router_bias is params.router_bias
+
+
+@pytest.mark.parametrize(
+  ("axis_type", "fmt"), [(AxisType.Explicit, f) for f in quant.FORMATS] + [(AxisType.Auto, "fp8")]
+)
+def test_quantize_and_dequantize_on_either_axis_type(axis_type, fmt):
+  """On jax.make_mesh's default Explicit axes (and Auto): quantize_experts and
+  dequantize_experts run, the values, scales and dequantized matrices split like the
+  matrix, the values bit for bit what they are off the mesh (init_moe_params with a
+  weights_format on the default mesh: test_init_and_specs_with_weights_format)."""
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(axis_type,) * 2)
+  cfg = _config(fmt, num_shared_experts=0)
+  params = ms.init_moe_params(jax.random.key(0), cfg, mesh=mesh)
+  want = ms.quantize_experts(jax.device_get(params), fmt).experts.down_EFD
+  q = ms.quantize_experts(params, fmt)
+  got = q.experts.down_EFD
+  for a in got.arrays():
+    assert a.sharding.spec == P("expert", None, None)
+  np.testing.assert_array_equal(
+    np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8)
+  )
+  # XLA may round the float scales' division differently in the sharded program: 1 ulp.
+  np.testing.assert_allclose(got.scales, want.scales, rtol=2**-22)
+  d = ms.dequantize_experts(q).experts.down_EFD
+  assert d.sharding.spec == P("expert", None, None)
+  np.testing.assert_allclose(d, want.dequantize(), rtol=2**-21)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_non_finite_weights_raise_or_stay_nan(fmt):
+  """A NaN or Inf in the float weights: concrete, quantize_experts raises naming the leaf and
+  the first index; traced (under jit), the block holding it dequantizes to NaN (int8: its
+  column; fp8: its 128 x 128 block; mxfp4: its 32 rows of one column, e8m0's NaN scale) and
+  no other value changes."""
+  params = ms.init_moe_params(jax.random.key(0), _config(fmt, num_shared_experts=0))
+  up = params.experts.up_EDF
+  for bad in (jnp.nan, -jnp.inf):
+    p = dataclasses.replace(
+      params, experts=dataclasses.replace(params.experts, up_EDF=up.at[1, 3, 5].set(bad))
+    )
+    with pytest.raises(
+      ValueError,
+      match=re.escape(
+        "quantize_experts: experts.up_EDF must be finite to be quantized (got 1 NaN or Inf values, the first at index (1, 3, 5))"
+      ),
+    ):
+      ms.quantize_experts(p, fmt)
+  got = jax.jit(lambda p: ms.quantize_experts(p, fmt))(p).experts.up_EDF.dequantize()
+  want = ms.quantize_experts(params, fmt).experts.up_EDF.dequantize()
+  block = {
+    "int8": (slice(None), 5),
+    "fp8": (slice(0, 128), slice(0, 128)),
+    "mxfp4": (slice(0, 32), 5),
+  }[fmt]
+  nan = np.zeros(got.shape, bool)
+  nan[(1, *block)] = True
+  np.testing.assert_array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(np.asarray(got)[~nan], np.asarray(want)[~nan])
+
+
+def test_malformed_quantized_arrays_raise_where_they_enter():
+  """Scales or values of the wrong shape or dtype for their format raise, naming the leaf, in
+  moe_layer, in a dispatch called directly and in grouped_matmul."""
+  cfg = _config("int8", num_shared_experts=0)
+  q = ms.quantize_experts(ms.init_moe_params(jax.random.key(0), cfg), "int8")
+  g = q.experts.gate_EDF
+  x = jnp.zeros((B, S, cfg.d_model))
+  cases = [
+    (
+      dict(scales=g.scales[:, 0]),
+      ValueError,
+      "scales must have shape (8, 1, 32) for 'int8' values of shape (8, 16, 32) (got (8, 32))",
+    ),
+    (
+      dict(scales=g.scales[:-1]),
+      ValueError,
+      "scales must have shape (8, 1, 32) for 'int8' values of shape (8, 16, 32) (got (7, 1, 32))",
+    ),
+    (
+      dict(values=g.values.astype(jnp.uint8)),
+      TypeError,
+      "values of a 'int8' QuantizedArray must have dtype int8 (got uint8)",
+    ),
+    (
+      dict(scales=g.scales.astype(jnp.bfloat16)),
+      TypeError,
+      "scales of a 'int8' QuantizedArray must have dtype float32 (got bfloat16)",
+    ),
+    (
+      dict(fmt="int4"),
+      ValueError,
+      "gate_EDF.fmt must be one of ('int8', 'fp8', 'mxfp4') (got 'int4')",
+    ),
+  ]
+  for change, kind, message in cases:
+    bad = dataclasses.replace(g, **change)
+    qq = dataclasses.replace(q, experts=dataclasses.replace(q.experts, gate_EDF=bad))
+    with pytest.raises(
+      kind,
+      match=re.escape(f"moe_layer: params.experts.gate_EDF{'.' if 'fmt' not in change else ''}"),
+    ):
+      ms.moe_layer(qq, x, cfg)
+    with pytest.raises(kind, match=re.escape(message)):
+      ms.moe_layer(qq, x, cfg)
+    with pytest.raises(kind, match=re.escape("moe_ragged_dot: w.gate_EDF")):
+      ms.moe_ragged_dot(x[0], qq.experts, jnp.zeros((S, K), jnp.int32))
+  mx = quant.quantize(jnp.ones((2, 64, 16)), "mxfp4")
+  with pytest.raises(
+    TypeError,
+    match=re.escape(
+      "grouped_matmul: w_GDF.scales of a 'mxfp4' QuantizedArray must have dtype uint8 (got float32)"
+    ),
+  ):
+    ms.grouped_matmul(
+      jnp.ones((4, 64)),
+      dataclasses.replace(mx, scales=mx.scales.astype(jnp.float32)),
+      jnp.array([2, 2]),
+    )
+
+
+# --------------------------------------------------------------------------- shared experts
+
+
+def test_quantized_shared_experts_match_the_float64_model():
+  """Shared experts quantized too (int8): the layer on one device and on 8 equals the
+  float64 model on the decoded values, y and the gradients of x and the router; the
+  quantized shared matrices are frozen like the routed ones."""
+  cfg, q, p64, x, ct = _case("int8", seed=1)
+  q = dataclasses.replace(q, shared=ms.quantize_experts(q.shared, "int8"))
+  decoded = {f: np_decode(getattr(q.shared, f)) for f in ("gate_EDF", "up_EDF", "down_EFD")}
+  p64 = dataclasses.replace(p64, shared=dataclasses.replace(p64.shared, **decoded))
+  y64, _ = layer_oracle.layer(p64, x, cfg)
+  g64 = _fd(p64, x, ct, cfg)
+  trainable, frozen = ms.split_trainable(q)
+  assert frozen.shared.gate_EDF.values is q.shared.gate_EDF.values
+
+  for impl, mesh in (("ragged_dot", None), ("all_to_all", _mesh8())):
+    c = dataclasses.replace(cfg, impl=impl)
+
+    def loss(t, x, c=c, mesh=mesh):
+      y, aux = ms.moe_layer(ms.merge_trainable(t, frozen), x, c, mesh=mesh)
+      return jnp.sum(y * ct) + aux["aux_loss"], y
+
+    (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+      trainable, jnp.asarray(x)
+    )
+    _assert_rel(y, y64, f"{impl}: y")
+    _assert_rel(gx, g64["x"], f"{impl}: dx")
+    _assert_rel(gp.router_DE, g64["router_DE"], f"{impl}: d router_DE")

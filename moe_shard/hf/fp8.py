@@ -8,9 +8,16 @@ config.json has `quantization_config = {"quant_method": "fp8", "weight_block_siz
 
     value[o, i] = f32(w[o, i]) * w_scale_inv[o // bo, i // bi]
 
-`quantize` is the inverse with the stored scales: each value divided by its block's scale,
-rounded to the nearest e4m3 value. Every value `dequantize` gives, in float32 or bfloat16,
-comes back to its code, so unchanged weights are saved bit for bit.
+`quantize` is the inverse with the stored scales: each value divided by its block's scale
+(in float32), rounded to the nearest e4m3 value; a quotient up to one e4m3 step (32) past
+e4m3's largest value 448 saturates to +-448, since rounding `code * scale` to the load's
+dtype can carry a 448 code a little past it (real releases set scale = amax / 448, so
+nearly every block holds one). What comes back bit for bit: every code `dequantize` gives
+in float32 or bfloat16 (all 254 finite codes, -0 included, for any normal float32 scale:
+the load's rounding moves a value by at most 2^-9 of itself, far less than half an e4m3
+step), so a checkpoint loaded as floats and saved unchanged is the same bytes. Not bit for
+bit: the NaN codes (0x7F, 0xFF), which come back as NaN but raise here; and float16, where
+`code * scale` below float16's normal range (6.1e-5) loses bits.
 """
 
 from __future__ import annotations
@@ -58,20 +65,32 @@ def dequantize(w, scale_inv, block, dtype, row0=0):
   return (w * scale).astype(dtype)
 
 
+# e4m3's step between its two largest values (416, 448): quotients up to 448 + this
+# saturate to 448.
+E4M3_TOP_STEP = 32.0
+
+
 def quantize(name, values, scale_inv, block):
-  """Returns f8e4m3[out, in] codes of `values` with the given block scales, nearest-even.
+  """Returns f8e4m3[out, in] codes of `values` with the given block scales, nearest-even;
+  quotients in (448, 480] saturate to 448 (module docstring).
 
   Raises:
-    ValueError: a value whose quotient by its block's scale is beyond e4m3's range (+-448)
-      or not finite, naming the tensor: it does not fit the stored scales.
+    ValueError: a value that is not finite, or whose quotient by its block's scale is more
+      than one e4m3 step beyond 448, naming the tensor: it does not fit the stored scales.
   """
   v = np.asarray(values, np.float32)
   q = v / _expand(np.asarray(scale_inv, np.float32), block, v.shape)
-  if not np.all(np.abs(q) <= E4M3_MAX):
+  if not np.all(np.isfinite(q)):
     raise ValueError(
-      f"save_moe_layers: tensor {name!r} has a value of {float(np.nanmax(np.abs(q)))} times "
-      f"its block's scale (weight_scale_inv), beyond FP8 e4m3's {E4M3_MAX}: block-FP8 "
-      f"tensors are written with the stored scales; save to a checkpoint without "
-      f"quantization_config, or rescale"
+      f"save_moe_layers: tensor {name!r} holds a value that is not finite (NaN or Inf); "
+      f"block-FP8 codes are finite numbers"
     )
-  return q.astype(E4M3)
+  worst = float(np.max(np.abs(q))) if q.size else 0.0
+  if worst > E4M3_MAX + E4M3_TOP_STEP:
+    raise ValueError(
+      f"save_moe_layers: tensor {name!r} has a value of {worst} times its block's scale "
+      f"(weight_scale_inv), beyond FP8 e4m3's {E4M3_MAX} by more than one step "
+      f"({E4M3_TOP_STEP}): block-FP8 tensors are written with the stored scales; save to a "
+      f"checkpoint without quantization_config, or rescale"
+    )
+  return np.clip(q, -E4M3_MAX, E4M3_MAX).astype(E4M3)

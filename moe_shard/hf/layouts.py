@@ -23,7 +23,8 @@ several devices holding the same experts, read the bytes once. A tensor stored a
 `name_scale_inv`, DeepSeek-V3 and Qwen3 FP8 releases), is dequantized on read; `write` gives
 it unquantized under `name`, and `save_moe_layers` quantizes it back.
 
-With `keep_quantized=True` the routed experts' matrices stored quantized are kept as stored:
+With `keep_quantized=True` the routed experts' matrices stored quantized, and the shared
+experts' stored as block-FP8 (DeepSeek-V3's), are kept as stored:
 `kept` says which leaves can be (or raises ValueError saying why not), `read_kept` gives a
 leaf's (values, scales) in the [in, out] layout of `QuantizedArray`, the checkpoint's bytes
 rearranged and never decoded, and `write_kept` is its inverse:
@@ -207,7 +208,18 @@ class Whole(_Layout):
     return {self.name: {"T": a.T, "T1": a[0].T, "row": a[None], "id": a}[self.op]}
 
   def kept(self, ckpt, shapes):
-    return {}  # replicated tensors (router, shared experts) load as floats
+    # A shared expert's block-FP8 matrix ("T1": one [out, in] tensor, the leaf [1, in, out])
+    # is kept; other replicated tensors (the router, biases) load as floats.
+    if self.op != "T1" or _kept_format(ckpt, self.name) != "fp8":
+      return {}
+    return {self.leaf: "fp8"}
+
+  def read_kept(self, ckpt, leaf, shapes, lo, hi, cache):
+    return tuple(a.T[None] for a in read_kept_rows(ckpt, self.name, None, None, cache))
+
+  def write_kept(self, arrays):
+    values, scales = arrays[self.leaf]
+    return {self.name: (values[0].T, scales[0].T)}
 
 
 @dataclasses.dataclass(frozen=True)

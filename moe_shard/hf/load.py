@@ -7,8 +7,8 @@ mesh each leaf is created already placed (`jax.make_array_from_callback` with
 experts that device holds: a process reads its own experts and the replicated tensors, never
 a whole expert tensor.
 
-With `keep_quantized=True` the routed experts' matrices stored as MXFP4 or block-FP8 are
-`QuantizedArray`s holding the checkpoint's bytes (`hf.layouts`), values and scales each
+With `keep_quantized=True` the routed experts' matrices stored as MXFP4 or block-FP8 (and the
+shared experts' stored as block-FP8) are `QuantizedArray`s holding the checkpoint's bytes (`hf.layouts`), values and scales each
 created placed with the matrix's spec; `save_moe_layers` (`hf.save`) writes them back byte
 for byte.
 """
@@ -83,16 +83,15 @@ def _stored_dtype(fn, block, layer, cfg):
 
 
 def _kept(fn, block, layers, cfg, keep_quantized):
-  """{leaf: "mxfp4" | "fp8"}: the routed experts' matrices kept as stored, alike in every
-  layer of `layers` (empty unless `keep_quantized`)."""
+  """{leaf: "mxfp4" | "fp8"}: the routed experts' matrices (and the shared experts' stored
+  as block-FP8) kept as stored, alike in every layer of `layers` (empty unless
+  `keep_quantized`)."""
   if not keep_quantized:
     return {}
   shapes, first = leaf_shapes(cfg), None
   for i in layers:
     kept = {}
     for lay in block.at(i):
-      if not lay.expert_axis:
-        continue
       try:
         kept.update(lay.kept(block.ckpt, shapes))
       except ValueError as e:
@@ -112,9 +111,10 @@ def _kept(fn, block, layers, cfg, keep_quantized):
 def _with_format(cfg, kept):
   """`cfg` with `weights_format` the kept format when every routed-expert matrix is kept in
   it (and `MoEConfig` has that field), else `cfg`."""
-  fmts = set(kept.values())
+  routed = {k: f for k, f in kept.items() if k.startswith("experts.")}
+  fmts = set(routed.values())
   matrices = {k for k, s in leaf_shapes(cfg).items() if k.startswith("experts.") and len(s) == 3}
-  if len(fmts) != 1 or set(kept) != matrices or not hasattr(cfg, "weights_format"):
+  if len(fmts) != 1 or set(routed) != matrices or not hasattr(cfg, "weights_format"):
     return cfg
   return dataclasses.replace(cfg, weights_format=fmts.pop())
 
@@ -261,11 +261,12 @@ def load_moe_layer(
       device reads only its slice of every expert's hidden dimension.
     expert_fsdp_axis: `MoEConfig.expert_fsdp_axis` (default None): with a mesh, each
       device reads only its slice of the last dimension of every expert matrix.
-    keep_quantized: keep the routed experts' matrices stored as MXFP4 or block-FP8 as stored
-      (default False: dequantized to `dtype`): each is a `QuantizedArray` ("mxfp4" or "fp8")
-      holding the checkpoint's bytes, whose `dequantize()` is the matrix `keep_quantized=False`
-      loads, `dtype` its logical dtype. Its values and scales are each placed with the
-      matrix's spec. Other tensors, and float checkpoints, load as without it.
+    keep_quantized: keep the routed experts' matrices stored as MXFP4 or block-FP8, and the
+      shared experts' stored as block-FP8 (DeepSeek-V3), as stored (default False:
+      dequantized to `dtype`): each is a `QuantizedArray` ("mxfp4" or "fp8") holding the
+      checkpoint's bytes, whose `dequantize()` is the matrix `keep_quantized=False` loads,
+      `dtype` its logical dtype. Its values and scales are each placed with the matrix's
+      spec. Other tensors, and float checkpoints, load as without it.
 
   Returns:
     (cfg: MoEConfig, params: MoEParams) such that `moe_layer(params, x, cfg)` computes the

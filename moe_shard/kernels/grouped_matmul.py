@@ -58,7 +58,7 @@ from moe_shard.kernels.tokamax import tokamax_gmm
 from moe_shard.kernels.tpu import DTYPES as MEGABLOX_DTYPES
 from moe_shard.kernels.tpu import megablox_gmm
 from moe_shard.kernels.tpu_quant import quantized_gmm
-from moe_shard.quant import is_quantized, stop_gradient, zero_cotangent
+from moe_shard.quant import check_quantized, is_quantized, stop_gradient, zero_cotangent
 from moe_shard.sharding import match_vma
 
 
@@ -276,7 +276,9 @@ def grouped_matmul(
 
 
 def _check_quantized(fn, w_GDF, impl):
-  """Raises unless a quantized w is [G, D, F] and every backend `impl` may run takes it."""
+  """Raises unless a quantized w is [G, D, F] with the values and scales of its format and
+  every backend `impl` may run takes it."""
+  check_quantized(fn, "w_GDF", w_GDF)
   if len(w_GDF.shape) != 3:
     raise ValueError(f"{fn}: w_GDF must be 3-D (got shape {tuple(w_GDF.shape)})")
   names = (DEFAULT_BACKEND, *PLATFORM_BACKENDS.values()) if impl == "auto" else (impl,)

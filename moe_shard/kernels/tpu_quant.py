@@ -111,8 +111,9 @@ def _decode_e2m1(c):
 
 
 def _decode_e8m0(s):
-  """f32 of e8m0 exponents (int32, 0..255): 2^(s - 127); s = 0 is the subnormal 2^-127."""
-  return _f32_from_bits(jnp.where(s == 0, 0x00400000, s << 23))
+  """f32 of e8m0 exponents (int32, 0..255): 2^(s - 127); s = 0 is the subnormal 2^-127,
+  s = 255 NaN (`quant.E8M0_NAN`)."""
+  return _f32_from_bits(jnp.where(s == 0, 0x00400000, jnp.where(s == 255, 0x7FC00000, s << 23)))
 
 
 def _dequantize_block(lay, values_ref, scales_ref, deq_refs, d_idx, f_idx):

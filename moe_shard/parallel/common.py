@@ -152,15 +152,19 @@ def gather_weights(ffn, fsdp_axis):
 
 
 def output_once(ffn, tensor_axis):
-  """Expert tensor parallelism: the leaves without an F dimension (the output bias) kept on
+  """Expert tensor parallelism: the vectors without an F dimension (the output bias) kept on
   tensor rank 0 and zero on the others, so that the reduce-scatter of the partial outputs
-  adds them once; `ffn` itself for None."""
+  adds them once; `ffn` itself for None. Matrices stay whole on every rank: an adapter's a
+  of gate or up ([E, D, R], no F) multiplies every rank's own columns of b, and down's b
+  ([E, R, D]) each rank's partial sum over its rows of a."""
   if tensor_axis is None:
     return ffn
   letters, _ = split_dims("output_once", ffn)
   first = jax.lax.axis_index(tensor_axis) == 0
   return jax.tree.map(
-    lambda a, ls: a if "F" in ls else jnp.where(first, a, jnp.zeros_like(a)), ffn, letters
+    lambda a, ls: a if "F" in ls or len(ls) == 3 else jnp.where(first, a, jnp.zeros_like(a)),
+    ffn,
+    letters,
   )
 
 
