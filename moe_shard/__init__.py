@@ -49,6 +49,7 @@ from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.matmuls import GroupedMatmul, MaskedMatmul
 from moe_shard.parallel import moe_all_gather, moe_all_to_all, moe_ragged_all_to_all
 from moe_shard.params import MoEParams, init_moe_params, moe_param_shapes, moe_param_specs
+from moe_shard.placement import Placement, plan_placement
 from moe_shard.quant import FORMATS, QuantizedArray, dequantize_experts, quantize_experts
 from moe_shard.remat import (
   CHECKPOINT_NAMES,
@@ -96,6 +97,7 @@ __all__ = [
   "MaskedMatmul",
   "MoEConfig",
   "MoEParams",
+  "Placement",
   "QuantizedArray",
   "Router",
   "Routing",
@@ -119,6 +121,7 @@ __all__ = [
   "moe_ragged_all_to_all",
   "moe_ragged_dot",
   "num_routing_groups",
+  "plan_placement",
   "quantize_experts",
   "router_z_loss",
   "sequence_balance_loss",
