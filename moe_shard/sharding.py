@@ -350,3 +350,15 @@ def unflatten_tokens(y_TD, x_BSD, mesh):
   # x was not on the mesh: its batch split over the mesh when it divides, else whole.
   y_TD = place(y_TD, mesh, token_spec(mesh) if B % mesh.size == 0 else P())
   return y_TD.reshape(shape)
+
+
+def expert_positions(mesh, expert_axis):
+  """np.int32[mesh.size]: the position on the expert axis of the g-th device of the mesh in
+  the order tokens are split over it (`token_spec`: every axis, row-major); for a tuple of
+  expert axes, the linear position over them in the order given."""
+  shape = tuple(mesh.shape[a] for a in mesh.axis_names)
+  coords = np.unravel_index(np.arange(math.prod(shape)), shape)
+  position = np.zeros(math.prod(shape), np.int64)
+  for a in expert_axes(expert_axis):
+    position = position * mesh.shape[a] + coords[list(mesh.axis_names).index(a)]
+  return position.astype(np.int32)
