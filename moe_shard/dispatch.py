@@ -36,7 +36,7 @@ from jaxtyping import Array, Float
 from moe_shard import _checks, local, parallel, plan, quant
 from moe_shard import placement as placement_lib
 from moe_shard.balance import expert_load
-from moe_shard.sharding import auto, axis_size, expert_positions
+from moe_shard.sharding import auto, axis_size, data_rows, expert_positions
 
 if TYPE_CHECKING:  # config.py imports this module
   from moe_shard.config import MoEConfig
@@ -69,12 +69,13 @@ def _local_slots(experts_TK, mesh, cfg, placement, slot_weights):
   if placement is None:
     return experts_TK, {}
   T = experts_TK.shape[0]
-  positions = None
+  positions = rows = None
   if mesh is not None and T % mesh.size == 0:
     positions = expert_positions(mesh, cfg.expert_axis)
+    rows = data_rows(mesh, cfg.expert_axis)
 
   def slots_and_load(e):
-    slots = placement_lib.assign_slots(e, placement, positions)
+    slots = placement_lib.assign_slots(e, placement, positions, rows)
     return slots, expert_load(slots, placement.num_slots)
 
   slots_TK, load_S = auto(slots_and_load, experts_TK, lambda spec: (spec, P()))(experts_TK)

@@ -454,17 +454,30 @@ def _describe(value):
 
 
 def choose_replicas(
-  experts_TK: Any, log2phy_EX: Any, logcnt_E: Any, slots_per_device: int, chip: Any = None
+  experts_TK: Any,
+  log2phy_EX: Any,
+  logcnt_E: Any,
+  slots_per_device: int,
+  chip: Any = None,
+  loads_NE: Any = None,
 ) -> jax.Array:
   """The slot each (token, expert) item of one device goes to: the layer's replica rule.
 
-  A replica on the item's own device (`chip`) when its expert has one there; else its
-  replicas in turn: the device's r-th item (in token-major order) for expert e goes to
-  replica (r + chip) mod logcnt[e] of the replicas listed in log2phy[e]. So each device
-  spreads its items for an expert evenly (within one) over the replicas, starting at a
-  replica that differs from device to device. Several replicas on the device itself take
-  its items in turn the same way. Deterministic: a function of the routing and the
-  placement only.
+  With the loads of the N devices of the expert axis (`loads_NE`, the items each routes to
+  each expert), every replica of expert e takes load_e / logcnt[e] items (within one, the
+  first replicas in log2phy's order one more), so the replicas split their expert's load
+  as the planner assumed:
+
+    1. own device first: device c keeps its items for e on its own replicas of e, up to
+       their shares, filling them in log2phy's order;
+    2. the rest of every device's items for e (device-major, then token-major) fill the
+       replicas' remaining room, in log2phy's order.
+
+  A device computes only its own items' slots, from the [N, E] loads (all devices agree on
+  them). Without `loads_NE` (or `chip`), each device's r-th item for e (token-major) goes to
+  e's replica (r + chip) mod logcnt[e], its own replicas first where it has any: even per
+  device, not across them. Deterministic either way: a function of the routing and the
+  placement.
 
   Args:
     experts_TK: int[T, K] logical expert ids of this device's items; ids outside [0, E)
@@ -474,6 +487,8 @@ def choose_replicas(
     slots_per_device: S / N.
     chip: the device's position on the expert axis (i32[], traced ok), or None (default:
       no device is the item's own, every item spreads over all replicas).
+    loads_NE: None (default) or int[N, E] the items each device of the expert axis routes
+      to each expert (this device's row = its own `experts_TK`'s counts).
 
   Returns:
     i32[T, K] slot ids in [0, S), -1 for an invalid item.
@@ -489,7 +504,12 @@ def choose_replicas(
   first = jnp.cumsum(counts) - counts
   position = jnp.zeros_like(order).at[order].set(jnp.arange(ids.shape[0], dtype=order.dtype))
   rank = position.astype(jnp.int32) - first[key]
+  e = jnp.minimum(key, E - 1)
   listed = jnp.arange(X)[None, :] < logcnt_E[:, None]  # [E, X]
+  ok = valid & jnp.any(listed[e], axis=1)
+  if chip is not None and loads_NE is not None:
+    x = _balanced_turn(e, rank, listed, log2phy_EX // slots_per_device, chip, loads_NE)
+    return jnp.where(ok, log2phy_EX[e, x], -1).reshape(T, K).astype(jnp.int32)
   if chip is None:
     local = jnp.zeros_like(listed)
     start = jnp.zeros((), jnp.int32)
@@ -501,11 +521,39 @@ def choose_replicas(
   n_candidates = jnp.sum(candidate, axis=1, dtype=jnp.int32)
   # Each expert's candidate slots first, in log2phy's order.
   slots_EX = jnp.take_along_axis(log2phy_EX, jnp.argsort(~candidate, axis=1, stable=True), 1)
-  e = jnp.minimum(key, E - 1)
   n = n_candidates[e]
   turn = (rank + jnp.where(has_local[e], 0, start)) % jnp.maximum(n, 1)
-  slot = slots_EX[e, turn]
-  return jnp.where(valid & (n > 0), slot, -1).reshape(T, K).astype(jnp.int32)
+  return jnp.where(ok, slots_EX[e, turn], -1).reshape(T, K).astype(jnp.int32)
+
+
+def _balanced_turn(e_I, rank_I, listed_EX, chip_EX, chip, loads_NE):
+  """The replica (column of log2phy) of each item under the balanced rule."""
+  N = loads_NE.shape[0]
+  loads = loads_NE.astype(jnp.int32)
+  total = jnp.sum(loads, axis=0)
+  cnt = jnp.maximum(jnp.sum(listed_EX, axis=1, dtype=jnp.int32), 1)
+  x = jnp.arange(listed_EX.shape[1])[None, :]
+  share = total[:, None] // cnt[:, None] + (x < (total % cnt)[:, None])
+  cap_EX = jnp.where(listed_EX, share, 0)
+  local_NEX = listed_EX[None] & (chip_EX[None] == jnp.arange(N)[:, None, None])
+  local_cap = jnp.where(local_NEX, cap_EX[None], 0)
+  keep_NE = jnp.minimum(loads, jnp.sum(local_cap, axis=2))
+  # Device c's kept items fill its own replicas in order: replica x keeps kept_NEX of them.
+  before = jnp.cumsum(local_cap, axis=2) - local_cap
+  kept_NEX = jnp.clip(keep_NE[:, :, None] - before, 0, local_cap)
+  room_EX = cap_EX - jnp.sum(kept_NEX, axis=0)
+  spill_NE = loads - keep_NE
+  offset_NE = jnp.cumsum(spill_NE, axis=0) - spill_NE  # device-major order of the rest
+  me = jnp.asarray(chip, jnp.int32)
+  keep_I = keep_NE[me][e_I]
+  own_end = jnp.cumsum(kept_NEX[me], axis=1)[e_I]  # [I, X]
+  room_end = jnp.cumsum(room_EX, axis=1)[e_I]
+  j_I = offset_NE[me][e_I] + rank_I - keep_I
+  own = rank_I < keep_I
+  turn_own = jnp.sum(own_end <= rank_I[:, None], axis=1)
+  turn_rest = jnp.sum(room_end <= j_I[:, None], axis=1)
+  limit = listed_EX.shape[1] - 1
+  return jnp.minimum(jnp.where(own, turn_own, turn_rest), limit)
 
 
 def plan_on_device(load_E: Any, num_devices: int, spare: int) -> Placement:
@@ -570,7 +618,9 @@ def placement_arrays(phy2log_S: Any, num_experts: int, max_replicas: int) -> Pla
   return Placement(phy2log_S, log2phy, jnp.minimum(logcnt, X))
 
 
-def assign_slots(experts_TK: Any, placement: Placement, positions: Any = None) -> jax.Array:
+def assign_slots(
+  experts_TK: Any, placement: Placement, positions: Any = None, rows: Any = None
+) -> jax.Array:
   """`choose_replicas` for the tokens of a whole call, device by device.
 
   Args:
@@ -579,6 +629,8 @@ def assign_slots(experts_TK: Any, placement: Placement, positions: Any = None) -
     positions: None (default: one group of all the tokens, no device their own), or
       int[G] the expert-axis position of each of G devices the tokens are split over in
       order (G dividing T; `sharding.expert_positions`).
+    rows: with `positions`, int[G] each device's row: the devices of one row (one position
+      each) exchange with one another (default None: one row).
 
   Returns:
     i32[T, K] slot ids, -1 for invalid items.
@@ -586,13 +638,25 @@ def assign_slots(experts_TK: Any, placement: Placement, positions: Any = None) -
   T, K = experts_TK.shape
   if positions is None:
     return choose_replicas(experts_TK, placement.log2phy, placement.logcnt, 1)
-  G = len(positions)
-  n = int(np.max(positions)) + 1
+  positions = np.asarray(positions)
+  rows = np.zeros_like(positions) if rows is None else np.asarray(rows)
+  G, n = len(positions), int(np.max(positions)) + 1
   per_device = placement.num_slots // n
-  pick = jax.vmap(
-    lambda e, chip: choose_replicas(e, placement.log2phy, placement.logcnt, per_device, chip)
-  )
-  return pick(experts_TK.reshape(G, T // G, K), jnp.asarray(positions)).reshape(T, K)
+  # Each device's row: the devices of its row, by position.
+  peers = np.zeros((G, n), np.int32)
+  for g in range(G):
+    for h in np.flatnonzero(rows == rows[g]):
+      peers[g, positions[h]] = h
+  e_GTK = experts_TK.reshape(G, T // G, K)
+  valid = (e_GTK >= 0) & (e_GTK < placement.num_experts)
+  onehot = jax.nn.one_hot(jnp.where(valid, e_GTK, -1), placement.num_experts, dtype=jnp.int32)
+  loads_GE = jnp.sum(onehot, axis=(1, 2))
+
+  def pick(e, chip, peer):
+    return choose_replicas(e, placement.log2phy, placement.logcnt, per_device, chip, loads_GE[peer])
+
+  slots = jax.vmap(pick)(e_GTK, jnp.asarray(positions), jnp.asarray(peers))
+  return slots.reshape(T, K)
 
 
 @dataclasses.dataclass(frozen=True)

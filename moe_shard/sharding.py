@@ -362,3 +362,16 @@ def expert_positions(mesh, expert_axis):
   for a in expert_axes(expert_axis):
     position = position * mesh.shape[a] + coords[list(mesh.axis_names).index(a)]
   return position.astype(np.int32)
+
+
+def data_rows(mesh, expert_axis):
+  """np.int32[mesh.size]: the row of the g-th device (`expert_positions`' order): the linear
+  index over the mesh's other axes. The devices of one row, one per expert-axis position,
+  are those a dispatch exchanges among."""
+  shape = tuple(mesh.shape[a] for a in mesh.axis_names)
+  coords = np.unravel_index(np.arange(math.prod(shape)), shape)
+  row = np.zeros(math.prod(shape), np.int64)
+  for i, a in enumerate(mesh.axis_names):
+    if a not in expert_axes(expert_axis):
+      row = row * mesh.shape[a] + coords[i]
+  return row.astype(np.int32)

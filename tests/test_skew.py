@@ -101,26 +101,49 @@ CASES = {
 }
 
 
-def replica_rule(experts_TK, phy2log, devices, per_device):
-  """The documented rule in NumPy: per device (tokens split in order), an item goes to its
-  expert's replica on the device itself (several: in turn), else to replica (r + device)
-  mod count of its expert's slots in increasing order, r the item's rank among the
-  device's items for that expert. Returns the slot of each item (-1 invalid)."""
+def replica_rule(experts_TK, phy2log, positions, rows, per_device):
+  """The documented rule in NumPy. Tokens are split in order over the devices; the devices
+  of one row (one per expert-axis position) share each expert's load: replica x of e (its
+  slots in increasing order) takes load // count, the first load % count one more. Each
+  device's items for e (token-major) first fill its own replicas of e in order up to their
+  shares; the rest, device by device in position order, fill the replicas' remaining room
+  in order. Returns the slot of each item (-1 invalid)."""
   T, K = experts_TK.shape
+  G = len(positions)
+  per_token = T // G
   out = np.full((T, K), -1)
-  per_token = T // len(devices)
-  for g, chip in enumerate(devices):
-    seen = {}
-    for t in range(g * per_token, (g + 1) * per_token):
-      for k in range(K):
-        e = experts_TK[t, k]
-        if not 0 <= e < len(set(phy2log)):
-          continue
-        slots = [s for s in range(len(phy2log)) if phy2log[s] == e]
-        local = [s for s in slots if s // per_device == chip]
-        r = seen.get(e, 0)
-        seen[e] = r + 1
-        out[t, k] = local[r % len(local)] if local else slots[(r + chip) % len(slots)]
+  E = max(phy2log) + 1
+  for row in set(rows):
+    members = sorted((p, g) for g, (p, r) in enumerate(zip(positions, rows)) if r == row)
+    for e in range(E):
+      slots = [s for s in range(len(phy2log)) if phy2log[s] == e]
+      items = {
+        g: [
+          (t, k)
+          for t in range(g * per_token, (g + 1) * per_token)
+          for k in range(K)
+          if experts_TK[t, k] == e
+        ]
+        for _, g in members
+      }
+      total = sum(len(v) for v in items.values())
+      q, extra = divmod(total, len(slots))
+      room = [q + (x < extra) for x in range(len(slots))]
+      rest = []
+      for p, g in members:
+        mine = [x for x, s in enumerate(slots) if s // per_device == p]
+        left = list(items[g])
+        for x in mine:
+          while room[x] and left:
+            t, k = left.pop(0)
+            out[t, k] = slots[x]
+            room[x] -= 1
+        rest += left
+      for x in range(len(slots)):
+        while room[x] and rest:
+          t, k = rest.pop(0)
+          out[t, k] = slots[x]
+          room[x] -= 1
   return out
 
 
@@ -194,9 +217,13 @@ def test_layer_on_placement_matches_float64_model(name):
   if which == "step":  # the plan's own balance is tested in test_step_plan_balances_zipf
     assert int(aux["step_placement"]) == 1
     return
-  devices = [0] if mesh is None else list(sharding.expert_positions(mesh, "expert"))
   phy2log = PLACEMENTS[which]
-  slots = replica_rule(np.asarray(want_aux["experts_TK"]), phy2log, devices, len(phy2log) // 4)
+  if mesh is None:  # one device: every slot is elsewhere, nothing to balance against
+    positions, rows = [0], [0]
+  else:
+    positions = list(sharding.expert_positions(mesh, "expert"))
+    rows = list(sharding.data_rows(mesh, "expert"))
+  slots = replica_rule(np.asarray(want_aux["experts_TK"]), phy2log, positions, rows, 3)
   per_slot = np.bincount(slots[slots >= 0], minlength=len(phy2log))
   want_device = per_slot.reshape(n, -1).sum(1) if mesh is not None else [per_slot.sum()]
   np.testing.assert_array_equal(aux["device_load"], want_device)

@@ -144,15 +144,14 @@ def _fetch_bwd(cfg, phy2log_S, d_slots):
     axis=cfg.axis,
     rows_per_peer=Ls,
   )
-  # Buffer row p holds the gradient of the p-th slot (in slot order) whose expert we own.
+  # Buffer row p holds the gradient of the p-th slot (in slot order) whose expert we own:
+  # summed per expert by a [G, L] one-hot contraction (a scatter-add of whole matrices
+  # is a loop over the G rows on TPU, each pass over the whole [L, ...] result).
   (slots_G,) = jnp.nonzero(owner_S == me, size=G, fill_value=S)
   local_G = jnp.where(slots_G < S, phy2log_S[jnp.minimum(slots_G, S - 1)] % L, L)
-  d_L = (
-    jnp.zeros((L,) + d_slots.shape[1:], jnp.float32)
-    .at[local_G]
-    .add(buf.astype(jnp.float32), mode="drop")
-  )
-  return d_L.astype(d_slots.dtype), None
+  onehot_GL = (local_G[:, None] == jnp.arange(L)[None, :]).astype(buf.dtype)
+  d_L = jnp.einsum("gl,gx->lx", onehot_GL, buf.reshape(G, -1), preferred_element_type=jnp.float32)
+  return d_L.reshape((L,) + d_slots.shape[1:]).astype(d_slots.dtype), None
 
 
 _fetch.defvjp(_fetch_fwd, _fetch_bwd)
@@ -186,8 +185,11 @@ def slot_inputs(lay, placement, ffn, experts_TK, *, slot_weights, grad_rows):
   """
   S, E, n = placement.num_slots, placement.num_experts, lay.n
   chip = jax.lax.axis_index(lay.expert_axis)
+  # Every device of the expert axis learns what the others route to each expert, so that
+  # the replicas split each expert's load evenly (`choose_replicas`).
+  loads_NE = jax.lax.all_gather(expert_load(experts_TK, E), lay.expert_axis)
   slots_TK = placement_lib.choose_replicas(
-    experts_TK, placement.log2phy, placement.logcnt, S // n, chip
+    experts_TK, placement.log2phy, placement.logcnt, S // n, chip, loads_NE
   )
   if not slot_weights:
     ffn = fetch_slots(ffn, placement.phy2log, axis=lay.expert_axis, n=n, grad_rows=grad_rows)
