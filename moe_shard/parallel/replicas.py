@@ -121,19 +121,26 @@ def _fetch_fwd(cfg, leaf_L, phy2log_S):
 
 
 def _fetch_bwd(cfg, phy2log_S, d_slots):
-  """Each slot's gradient goes back to its expert's owner, which sums them per expert."""
+  """Each slot's gradient goes back to its expert's owner, which sums them per expert.
+
+  The owner receives into G rows: row l the gradient of its expert l's first slot (every
+  expert has one), rows L.. those of its experts' other slots, in slot order; each of the
+  G - L extra rows is then added into its expert's row (one slice each: a scatter-add of
+  whole matrices is a loop over them on TPU, each pass over the whole result)."""
   n, L, G = cfg.n, cfg.local, cfg.grad_rows
   S = phy2log_S.shape[0]
   Ls = S // n
   me = jax.lax.axis_index(cfg.axis)
   owner_S = phy2log_S // L
-  # Where each slot's gradient lands at its owner: its rank among the owner's slots.
-  same = owner_S[:, None] == owner_S[None, :]
-  rank_S = jnp.sum(same & (jnp.arange(S)[None, :] < jnp.arange(S)[:, None]), axis=1)
+  earlier = jnp.arange(S)[None, :] < jnp.arange(S)[:, None]  # [s, s'] s' < s
+  first_S = ~jnp.any(earlier & (phy2log_S[None, :] == phy2log_S[:, None]), axis=1)
+  extra_rank_S = jnp.sum(earlier & (owner_S[None, :] == owner_S[:, None]) & ~first_S[None, :], 1)
+  at_S = jnp.where(first_S, phy2log_S % L, L + extra_rank_S).astype(jnp.int32)
   mine = jax.lax.dynamic_slice_in_dim(owner_S, me * Ls, Ls)  # owners of this device's slots
   send_NJ = (mine[None, :] == jnp.arange(n)[:, None]).astype(jnp.int32)
-  at_J = jax.lax.dynamic_slice_in_dim(rank_S, me * Ls, Ls)
+  at_J = jax.lax.dynamic_slice_in_dim(at_S, me * Ls, Ls)
   recv_NJ = (owner_S.reshape(n, Ls) == me).astype(jnp.int32)
+  # Each device sends each slot's gradient to the owner of the slot's expert.
   buf = ragged_exchange(
     d_slots,
     jnp.zeros((G,) + d_slots.shape[1:], d_slots.dtype),
@@ -144,26 +151,24 @@ def _fetch_bwd(cfg, phy2log_S, d_slots):
     axis=cfg.axis,
     rows_per_peer=Ls,
   )
-  # Buffer row p holds the gradient of the p-th slot (in slot order) whose expert we own:
-  # summed per expert by a [G, L] one-hot contraction (a scatter-add of whole matrices
-  # is a loop over the G rows on TPU, each pass over the whole [L, ...] result).
-  (slots_G,) = jnp.nonzero(owner_S == me, size=G, fill_value=S)
-  local_G = jnp.where(slots_G < S, phy2log_S[jnp.minimum(slots_G, S - 1)] % L, L)
-  onehot_GL = (local_G[:, None] == jnp.arange(L)[None, :]).astype(buf.dtype)
-  d_L = jnp.einsum("gl,gx->lx", onehot_GL, buf.reshape(G, -1), preferred_element_type=jnp.float32)
-  return d_L.reshape((L,) + d_slots.shape[1:]).astype(d_slots.dtype), None
+  (extra_slots,) = jnp.nonzero((owner_S == me) & ~first_S, size=G - L, fill_value=0)
+  d_L = buf[:L]
+  for g in range(G - L):  # padding rows are zeros: adding them changes nothing
+    d_L = d_L.at[phy2log_S[extra_slots[g]] % L].add(buf[L + g])
+  return d_L, None
 
 
 _fetch.defvjp(_fetch_fwd, _fetch_bwd)
 
 
 def grad_rows_bound(placement, num_experts, n):
-  """The static bound `fetch_slots` needs: the most slots whose expert one device owns;
-  exact for a placement known while tracing, S - E + L for a traced one."""
+  """The static bound `fetch_slots` needs: the most slots whose expert one device owns (at
+  least L: each expert has one); exact for a placement known while tracing, S - E + L for
+  a traced one."""
   phy2log = placement.phy2log
   S, L = placement.num_slots, num_experts // n
   if placement_lib._concrete(phy2log):
-    return max(1, int(np.bincount(np.asarray(phy2log) // L, minlength=n).max()))
+    return max(L, int(np.bincount(np.asarray(phy2log) // L, minlength=n).max()))
   return S - num_experts + L
 
 
