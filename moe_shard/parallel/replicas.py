@@ -124,9 +124,9 @@ def _fetch_bwd(cfg, phy2log_S, d_slots):
   """Each slot's gradient goes back to its expert's owner, which sums them per expert.
 
   The owner receives into G rows: row l the gradient of its expert l's first slot (every
-  expert has one), rows L.. those of its experts' other slots, in slot order, added to
-  their experts' rows by a [G - L, L] one-hot contraction (a scatter-add of whole matrices
-  is a loop over them on TPU, each pass over the whole result)."""
+  expert has one), rows L.. those of its experts' other slots, in slot order; each of the
+  G - L extra rows is then added into its expert's row (one slice each: a scatter-add of
+  whole matrices is a loop over them on TPU, each pass over the whole result)."""
   n, L, G = cfg.n, cfg.local, cfg.grad_rows
   S = phy2log_S.shape[0]
   Ls = S // n
@@ -151,16 +151,11 @@ def _fetch_bwd(cfg, phy2log_S, d_slots):
     axis=cfg.axis,
     rows_per_peer=Ls,
   )
-  if G == L:  # every expert in one slot: nothing to add
-    return buf, None
-  (extra_slots,) = jnp.nonzero((owner_S == me) & ~first_S, size=G - L, fill_value=S)
-  extra_local = jnp.where(extra_slots < S, phy2log_S[jnp.minimum(extra_slots, S - 1)] % L, L)
-  onehot = (extra_local[:, None] == jnp.arange(L)[None, :]).astype(buf.dtype)  # [G - L, L]
-  extras = jnp.einsum(
-    "gl,gx->lx", onehot, buf[L:].reshape(G - L, -1), preferred_element_type=jnp.float32
-  )
-  d_L = buf[:L].astype(jnp.float32) + extras.reshape((L,) + buf.shape[1:])
-  return d_L.astype(d_slots.dtype), None
+  (extra_slots,) = jnp.nonzero((owner_S == me) & ~first_S, size=G - L, fill_value=0)
+  d_L = buf[:L]
+  for g in range(G - L):  # padding rows are zeros: adding them changes nothing
+    d_L = d_L.at[phy2log_S[extra_slots[g]] % L].add(buf[L + g])
+  return d_L, None
 
 
 _fetch.defvjp(_fetch_fwd, _fetch_bwd)
