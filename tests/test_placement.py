@@ -146,3 +146,16 @@ def test_check_placement_names_the_rule():
   two = ms.plan_placement(np.ones((2, 4)), 6, 2)
   with pytest.raises(ValueError, match="one layer's"):
     pl.check_placement("moe_layer", two, 4, 2)
+
+
+def test_choose_replicas_balanced_by_hand():
+  # Slots [0 1 0 2 0 2] on 3 devices (2 each); loads (device x expert) [[4 1 2] [1 0 0]
+  # [1 0 2]]. Expert 0: 6 items over 3 replicas, 2 each; each device keeps its own first
+  # (device 0 two in slot 0, devices 1 and 2 one each in slots 2 and 4), device 0's other
+  # two fill the room left: slot 2, then slot 4. Expert 2: 4 items, 2 a replica (slots 3,
+  # 5); device 2 keeps its 2 in slot 5, device 0 (none of its own) fills slot 3.
+  p = ms.Placement.from_phy2log(np.array([0, 1, 0, 2, 0, 2]), 3)
+  e = jnp.array([[0], [0], [2], [0], [1], [2], [0]])
+  loads = jnp.array([[4, 1, 2], [1, 0, 0], [1, 0, 2]])
+  got = pl.choose_replicas(e, p.log2phy, p.logcnt, 2, chip=0, loads_NE=loads)
+  np.testing.assert_array_equal(got[:, 0], [0, 0, 3, 2, 1, 3, 4])
