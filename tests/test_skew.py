@@ -337,3 +337,30 @@ def test_load_window_sums_the_last_steps():
     w.record(np.zeros(3))
   p = ms.plan_placement(w.load(), num_slots=4, num_devices=2)
   assert p.num_layers == 2
+
+
+def test_scan_over_layers_with_a_placement_per_layer():
+  # Two layers stacked, a [2, S] placement scanned with them (traced inside the scan): the
+  # same outputs and gradients as the layers without a placement.
+  mesh = _mesh((2, 4), DE, EXPLICIT)
+  cfg = config(num_shared_experts=0, impl="all_to_all", gmm_impl="ragged_dot")
+  with jax.set_mesh(mesh):
+    layers = [ms.init_moe_params(jax.random.key(i), cfg, mesh=mesh) for i in range(2)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    x = jax.random.normal(jax.random.key(2), (8, 2, cfg.d_model))
+    placements = ms.plan_placement(np.array([[9, 1, 1, 1, 1, 1, 1, 1], [1] * 7 + [9]]), 12, 4)
+
+    def loss(stacked, x, placements):
+      def body(h, layer):
+        params, placement = layer
+        y, _ = ms.moe_layer(params, h, cfg, mesh, placement=placement)
+        return h + y, None
+
+      h, _ = jax.lax.scan(body, x, (stacked, placements))
+      return jnp.sum(h**2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), compiler_options=FAST_COMPILE)
+    want = grad(stacked, x, None)
+    got = grad(stacked, x, placements)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert_close(g, w, jnp.float32)
