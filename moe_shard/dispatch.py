@@ -225,7 +225,11 @@ def auto_impl(
 
 
 def choose_impl(
-  cfg: MoEConfig, mesh: Mesh | AbstractMesh | None = None, *, tokens: int | None = None
+  cfg: MoEConfig,
+  mesh: Mesh | AbstractMesh | None = None,
+  *,
+  tokens: int | None = None,
+  replicated: bool = False,
 ) -> str | DispatchFn:
   """Resolves `cfg.impl` for a mesh and a number of tokens per device.
 
@@ -234,6 +238,12 @@ def choose_impl(
     mesh: None (default) or a `jax.sharding.Mesh`.
     tokens: tokens per device of the call, T / mesh size rounded up (`moe_layer` passes
       it); None (default): not known, the rule for many tokens.
+    replicated: the call runs on a placement (default False). Its replicas even out each
+      device's rows, which set the ragged dispatch's rounds, but not the (source,
+      destination) pairs that set all_to_all's: a device's own replicas take its items.
+      So where XLA has ragged-all-to-all (TPU, GPU) "auto" takes "ragged_all_to_all" at
+      decode sizes too (Qwen3-30B-A3B at 64 tokens a chip under Zipf routing, compiled for
+      TPU v5e: 1 round against all_to_all's 4, `bench/results/tpu_v5e_2x4_skew_decode`).
 
   Returns:
     `cfg.impl` unless it is "auto" (a name of `DISPATCHES`, or the user's function); for
@@ -263,7 +273,10 @@ def choose_impl(
     rows = chunks.first * n / (cfg.num_experts / n)
   fmt = cfg.weights_format
   weight_bytes = cfg.param_dtype.itemsize if fmt is None else quant.ELEMENT_BYTES[fmt]
-  return auto_impl(_platform(mesh), n, tokens, rows_per_expert=rows, weight_bytes=weight_bytes)
+  platform = _platform(mesh)
+  if replicated and n > 1 and platform in parallel.RAGGED_PLATFORMS:
+    return "ragged_all_to_all"
+  return auto_impl(platform, n, tokens, rows_per_expert=rows, weight_bytes=weight_bytes)
 
 
 def _platform(mesh):

@@ -264,7 +264,12 @@ def moe_layer(
   placement, slot_weights = _check_placement(fn, params, cfg, placement, n)
   check_split_axes(fn, cfg, mesh)
   T = x_BSD.shape[0] * x_BSD.shape[1]
-  impl = choose_impl(cfg, mesh, tokens=None if mesh is None else -(-T // mesh.size))
+  impl = choose_impl(
+    cfg,
+    mesh,
+    tokens=None if mesh is None else -(-T // mesh.size),
+    replicated=placement is not None,
+  )
   dispatch = get_dispatch(impl)
   if mesh is None and dispatch.needs_mesh:
     raise ValueError(
