@@ -13,7 +13,7 @@ must change nothing). Placements are adversarial, on E = 8 experts over S = 12 s
 
 Logical parameters (fetched inside the layer) and slot-major ones (`replicate_experts`),
 placements passed as jit arguments (traced) and closed over (constants), each dispatch,
-the per-step placement, and int8 experts. `device_load` is checked against a NumPy model
+tensor and FSDP axes, the per-step placement, and int8 experts. `device_load` is checked against a NumPy model
 of the replica rule written here from its documentation.
 """
 
@@ -88,6 +88,22 @@ CASES = {
     dict(impl="masked_scan"),
     ((2, 4), DE, EXPLICIT),
     "one_hot",
+    False,
+    True,
+  ),
+  # Each expert's F split over "data" (tensor parallel), or its matrices stored split there
+  # (FSDP): the slots' shards move over the expert axis.
+  "ragged-tensor-one_hot-logical-traced": (
+    dict(impl="ragged_all_to_all", gmm_impl="ragged_dot", expert_tensor_axis="data"),
+    ((2, 4), DE, EXPLICIT),
+    "one_hot",
+    False,
+    True,
+  ),
+  "all_to_all-fsdp-only_replicas-logical-traced": (
+    dict(impl="all_to_all", gmm_impl="ragged_dot", expert_fsdp_axis="data"),
+    ((2, 4), DE, EXPLICIT),
+    "only_replicas",
     False,
     True,
   ),
