@@ -9,7 +9,7 @@ import argparse
 import math
 import os
 
-from bench import LEVELS, MODES, ROUTINGS, models
+from bench import LEVELS, MODES, PLACEMENTS, ROUTINGS, models
 
 PRESETS = {
   # jit_ragged_dot is left out of the default (XLA replicates its work on every device, so
@@ -231,6 +231,24 @@ def parser():
   )
   p.add_argument("--routing", help="comma-separated from uniform, zipf, hot_expert, one_device")
   p.add_argument("--zipf-s", type=float, default=1.2, help="Zipf exponent s > 0 (default 1.2)")
+  p.add_argument(
+    "--replicas",
+    type=int,
+    default=0,
+    metavar="R",
+    help="layer level: R redundant expert slots (S = E + R, divisible by the expert axis) "
+    "for --placement (default 0)",
+  )
+  p.add_argument(
+    "--placement",
+    help="layer level, comma-separated from none, static, served, home, step (default none; "
+    "static when --replicas is given): static = EPLB's packing of the case's own load on the "
+    "logical parameters (the layer fetches the replicas' weights and sums their gradients "
+    "back: training); served = that placement on slot-major parameters "
+    "(ms.replicate_experts: a server's); home = plan_placement(keep_home=True); step = "
+    "placement='step' with R / N redundant slots a device. Rows carry balancedness "
+    "(mean/max rows a chip) and the busiest chip's rows",
+  )
   p.add_argument("--impls", help="comma-separated from " + ", ".join(_impl_names()))
   p.add_argument("--levels", help="comma-separated from layer, kernel")
   p.add_argument("--modes", help="comma-separated from fwd, fwd_bwd")
@@ -353,6 +371,15 @@ def settings(a):
     raise UsageError(f"--chunk-size must be >= 1 (got {a.chunk_size})")
   if not (math.isfinite(a.zipf_s) and a.zipf_s > 0):
     raise UsageError(f"--zipf-s must be a finite number > 0 (got {a.zipf_s})")
+  if a.replicas < 0:
+    raise UsageError(f"--replicas must be >= 0 (got {a.replicas})")
+  default = "static" if a.replicas else "none"
+  s["placements"] = _list(a.placement or default, PLACEMENTS, "placement")
+  s["replicas"] = a.replicas
+  placed = [p for p in s["placements"] if p != "none"]
+  if placed and "kernel" in s["levels"]:
+    raise UsageError("--placement is a layer setting: --levels layer only")
+
   outputs = [("--json", a.json, a.json), ("--csv", a.csv, a.csv), ("--plot", a.plot, a.plot)]
   if a.out is not None:
     outputs += [("--out", a.out, a.out + ext) for ext in (".json", ".csv", ".md")]

@@ -61,7 +61,8 @@ class NotRun(Exception):
 def _auto_accounting(case, on_tpu=False):
   """The accounting of the dispatch "auto" resolves to on the case's mesh and platform."""
   tokens = accounting._layout(case)[4]  # per device, as the layer passes them
-  resolved = ms.choose_impl(case.cfg, case.mesh, tokens=tokens)
+  replicated = getattr(case, "placement", None) is not None
+  resolved = ms.choose_impl(case.cfg, case.mesh, tokens=tokens, replicated=replicated)
   return _BY_DISPATCH.get(resolved, accounting.unknown)(case, on_tpu)
 
 

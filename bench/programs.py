@@ -68,6 +68,9 @@ class Size:
   normalize_top_k: bool = True
   router_logit_bias: bool = False  # a trained router bias (gpt-oss)
   bias_balancing: bool = False  # a selection-only router bias (DeepSeek-V3)
+  # Layer level: where the experts' replicas live (`bench.PLACEMENTS`), R redundant slots.
+  placement: str = "none"
+  replicas: int = 0
 
 
 @dataclasses.dataclass
@@ -80,6 +83,10 @@ class Case:
     routed_flops: FLOPs of the routed work, forward (x3 with the backward); at layer level
       the router's, the K experts' of every token and its shared experts'.
     bound_bytes: the cost model's lower bound on bytes sent per device, forward.
+    placement: the layer's `placement` argument (`ms.Placement`, `ms.StepPlacement`) or
+      None; with "served", args[0] are the slot-major parameters.
+    logical_params: the logical parameters when args[0] are slot-major, else None (the
+      bound is the problem's, read from them).
   """
 
   level: str
@@ -92,6 +99,8 @@ class Case:
   routed_flops: float
   bound_bytes: float
   cfg: ms.MoEConfig
+  placement: object = None
+  logical_params: object = None
 
 
 def check_combination(size, E, mesh, level):
@@ -135,6 +144,19 @@ def check_combination(size, E, mesh, level):
     )
   if level != "layer" and (size.expert_type != "swiglu" or size.expert_bias):
     raise ValueError("expert_type and expert_bias are layer settings: layer level only")
+  if size.placement != "none":
+    if level != "layer":
+      raise ValueError(f"placement {size.placement!r} is a layer setting: layer level only")
+    if (E + size.replicas) % N:
+      raise ValueError(
+        f"experts + replicas ({E} + {size.replicas}) must be divisible by the expert axis of "
+        f"the mesh ({N})"
+      )
+    if size.placement in ("home", "step") and (size.replicas % N or not size.replicas):
+      raise ValueError(
+        f"placement {size.placement!r} needs replicas, a multiple of the expert axis of the "
+        f"mesh ({N}) (got {size.replicas})"
+      )
   if level == "layer" and size.D < 2:
     raise ValueError(
       f"d_model must be >= 2 at layer level, where feature 0 carries the "
@@ -245,11 +267,42 @@ def make_case(level, E, routing, size, mesh, *, abstract=False, seed=0):
     if whole
     else sampled_top_k(rng, router, B, T // B, K, size)
   )
+  placement, logical = make_placement(size, experts, E, N), None
+  if size.placement == "served":
+    logical, params = params, served_params(params, placement, mesh, abstract)
   args = (params, put(x, tok, dtype), put(draw(B, T // B, D), tok, dtype))
   routed = 2.0 * T * D * E + 3 * 2.0 * D * F * T * (K + size.num_shared_experts)
   # An adapter's two matmuls per expert matrix: (D + F) * R multiply-adds a row, each.
   routed += 3 * 2.0 * (D + F) * size.adapter_rank * T * K
-  return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg)
+  return Case(level, E, routing, size, mesh, args, experts, routed, bound, cfg, placement, logical)
+
+
+def make_placement(size, experts_TK, E, N):
+  """The layer's placement for `size.placement`, planned from the case's own load (the
+  host routing): None, an `ms.Placement` or an `ms.StepPlacement`."""
+  kind, R = size.placement, size.replicas
+  if kind == "none":
+    return None
+  if kind == "step":
+    return ms.StepPlacement(spare_slots=R // N)
+  e = np.asarray(experts_TK).ravel()
+  load = np.bincount(e[(e >= 0) & (e < E)], minlength=E)
+  return ms.plan_placement(load, E + R, N, keep_home=kind == "home")
+
+
+def served_params(params, placement, mesh, abstract):
+  """`ms.replicate_experts(params, placement)`: slot-major parameters, or their
+  ShapeDtypeStructs (each slot split over the expert axis as the experts were)."""
+  if not abstract:
+    return ms.replicate_experts(params, placement, mesh=mesh)
+  S = placement.num_slots
+
+  def slots(a):
+    return jax.ShapeDtypeStruct((S,) + a.shape[1:], a.dtype, sharding=a.sharding)
+
+  fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(ms.MoEParams)}
+  experts = jax.tree.map(slots, params.experts)
+  return ms.ServedParams(**dict(fields, experts=experts))
 
 
 def with_adapters(params, rank, dtype, abstract, seed):
@@ -430,13 +483,15 @@ def _dispatch_programs(case, impl):
 
     return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(fwd_bwd)}
 
+  placement = case.placement
+
   def fwd(p, x, dy):
-    y, aux = ms.moe_layer(p, x, cfg, mesh=mesh)
+    y, aux = ms.moe_layer(p, x, cfg, mesh=mesh, placement=placement)
     return y, aux["aux_loss"], aux["rounds"], aux["dropped_items"]
 
   def fwd_bwd(p, x, dy):
     def outputs(p, x):
-      y, aux = ms.moe_layer(p, x, cfg, mesh=mesh)
+      y, aux = ms.moe_layer(p, x, cfg, mesh=mesh, placement=placement)
       return y, aux["aux_loss"]
 
     if not any(map(ms.quant.is_quantized, jax.tree.leaves(p, is_leaf=ms.quant.is_quantized))):

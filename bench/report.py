@@ -61,6 +61,14 @@ def float_only_note(rows):
   )
 
 
+def routing(row):
+  """The routing cell: the skew, and the placement with its redundant slots ("zipf, static
+  R=8")."""
+  if row.get("placement", "none") == "none":
+    return row["routing"]
+  return f"{row['routing']}, {row['placement']} R={row['replicas']}"
+
+
 def table(rows):
   """The results as a Markdown table."""
   tpu = any("topology" in r for r in rows)
@@ -82,13 +90,16 @@ def table(rows):
   models = any("model" in r for r in rows)
   if models:
     head = head.replace("| level |", "| model | level |", 1)
+  balanced = any("balancedness" in r for r in rows)
+  if balanced:
+    head = head.replace(" | rounds |", " | balance (busiest rows) | rounds |", 1)
   bounded = any("bound_s" in r for r in rows)
   if bounded:  # the time over the bound: the roofline's on TPU, the median elsewhere
     over = "roofline/bound, less VMEM prefetches" if tpu else "time/bound"
     head = head.replace(" | eff. |", f" | bound ms ({over}) | eff. |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
-    common = f"| {r['level']} | {r['T']} | {r['E']} | {r['routing']} | {r['mode']} | {r['impl']} "
+    common = f"| {r['level']} | {r['T']} | {r['E']} | {routing(r)} | {r['mode']} | {r['impl']} "
     if models:
       common = f"| {r.get('model', '-')} " + common
     if quant:
@@ -108,10 +119,10 @@ def table(rows):
     wire = f"{r['wire_bytes'] / 2**20:.2f}{star}" if "wire_bytes" in r else "-"
     temp = f"{r['temp_bytes'] / 2**20:.1f}" if "temp_bytes" in r else "-"
     tail = f"| {_over(r, r.get('bound_s'))} " if bounded else ""
-    tail += (
-      f"| {eff} | {flops} | {wire} | {bound} | {temp} | "
-      f"{r['rounds'] if r['rounds'] else '-'} | {r['dropped']} "
-    )
+    tail += f"| {eff} | {flops} | {wire} | {bound} | {temp} | "
+    if balanced:
+      tail += f"{r['balancedness']:.2f} ({r['busiest_rows']}) | " if "balancedness" in r else "- | "
+    tail += f"{r['rounds'] if r['rounds'] else '-'} | {r['dropped']} "
     if tpu:
       roof = (
         f"{_ms(r['roofline_s'])} ({_ms(r['compute_s'])}/{_ms(r['hbm_s'])}/{_ms(r['ici_s'])})"
@@ -389,6 +400,11 @@ CSV_FIELDS = (
   "bytes_over_routing_bound",
   "temp_bytes",
   "expert_bytes",
+  "placement",
+  "replicas",
+  "balancedness",
+  "busiest_rows",
+  "mean_rows",
   "rounds",
   "dropped",
   "max_abs_err",

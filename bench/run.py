@@ -130,6 +130,8 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
           num_shared_experts=s.get("shared_experts", 0),
           expert_type=s.get("expert_type", "swiglu"),
           expert_bias=s.get("expert_bias", False),
+          placement=pl,
+          replicas=s.get("replicas", 0) if pl != "none" else 0,
           **s["router"],
         ),
         (lv, E, r),
@@ -138,6 +140,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
       for lv in part["levels"]
       for E in part["experts"]
       for r in part["routing"]
+      for pl in part.get("placements", ["none"])
     ]
 
   cases = sizes_and_cases(s) + (sizes_and_cases(SCALING) if s["scaling"] else [])
@@ -214,7 +217,10 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
 
   level, E, routing, size, mesh = case.level, case.E, case.routing, case.size, case.mesh
   routing_bound = accounting.routing_bound_bytes(case)
-  stored = param_bytes(case.args[0]) if level == "layer" else None
+  # The bound is the problem's: from the logical parameters when args[0] hold slots.
+  logical = case.logical_params if case.logical_params is not None else case.args[0]
+  stored = param_bytes(logical) if level == "layer" else None
+  held_params = param_bytes(case.args[0]) if level == "layer" else None  # as stored (slots)
   peak = tpu.PEAKS.get(tpu.generation(tpu_topology)) if tpu_topology else None
   held = stored or param_bytes(case.args[1])  # the layer's parameters, or the kernel's w
   bounds = {m: bound.bound(case, held, m, peak) for m in s["modes"]}
@@ -225,7 +231,7 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
       not_run = None
     except NotRun as err:  # e.g. the PyTorch peer without PyTorch or a GPU
       fns, impl_args, not_run = None, None, f"not run: {err}"
-    acc = entry.accounting(case, on_tpu=bool(tpu_topology))
+    acc, device_rows = accounting.placed(entry.accounting, case, bool(tpu_topology), impl)
     rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
     if entry.programs is None or entry.foreign:  # checked against the MoE reference
       kept[impl] = acc.kept
@@ -250,6 +256,20 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
         **({"shared_experts": size.num_shared_experts} if size.num_shared_experts else {}),
         **({"topology": tpu_topology} if tpu_topology else {}),
         **({"model": s["model"]} if s.get("model") else {}),
+        **(
+          {"placement": size.placement, "replicas": size.replicas}
+          if size.placement != "none"
+          else {}
+        ),
+        **(
+          {
+            "busiest_rows": int(device_rows.max()),
+            "mean_rows": float(device_rows.mean()),
+            "balancedness": float(device_rows.mean() / max(device_rows.max(), 1)),
+          }
+          if device_rows is not None
+          else {}
+        ),
         **bounds[mode],
       )
       passes = 1 if mode == "fwd" else 3
@@ -314,14 +334,14 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
         dropped=dropped,
         **({"loop_counted_once": True} if approx else {}),
       )
-      if stored and entry.programs is None:  # the layer's own parameters
+      if held_params and entry.programs is None:  # the layer's own parameters
         row.update(
-          param_bytes=stored["bytes"],
-          param_elems=stored["elems"],
-          expert_bytes=stored["expert_bytes"],
+          param_bytes=held_params["bytes"],
+          param_elems=held_params["elems"],
+          expert_bytes=held_params["expert_bytes"],
         )
         if s.get("model_layers"):
-          row["model_state_bytes"] = model_state_bytes(stored, s["model_layers"])
+          row["model_state_bytes"] = model_state_bytes(held_params, s["model_layers"])
       if tpu_topology:
         from bench import hbm
 
@@ -496,7 +516,8 @@ def _errors(case, rows, timed, kept, outputs):
     else jax.tree.map(
       lambda a: np.asarray(jax.device_get(a)), ms.dequantize_experts(ms.merge_adapters(v))
     )
-    for v in case.args
+    # Slot-major parameters ("served"): the reference reads the logical ones.
+    for v in (case.args if case.logical_params is None else (case.logical_params, *case.args[1:]))
   ]
   refs = {}
   for _, _, row in timed:

@@ -59,6 +59,7 @@ from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.matmuls import GroupedMatmul, MaskedMatmul
 from moe_shard.parallel import moe_all_gather, moe_all_to_all, moe_ragged_all_to_all
 from moe_shard.params import MoEParams, init_moe_params, moe_param_shapes, moe_param_specs
+from moe_shard.placement import Placement, StepPlacement, plan_placement
 from moe_shard.quant import FORMATS, QuantizedArray, dequantize_experts, quantize_experts
 from moe_shard.remat import (
   CHECKPOINT_NAMES,
@@ -69,6 +70,7 @@ from moe_shard.remat import (
   MOE_EXPERT_UP,
   MOE_ROUTER_LOGITS,
 )
+from moe_shard.replicas import LoadWindow, ServedParams, replicate_experts
 from moe_shard.routing import (
   ROUTERS,
   Router,
@@ -104,12 +106,16 @@ __all__ = [
   "GeluMLP",
   "GroupedMatmul",
   "Linear",
+  "LoadWindow",
   "MaskedMatmul",
   "MoEConfig",
   "MoEParams",
+  "Placement",
   "QuantizedArray",
   "Router",
   "Routing",
+  "ServedParams",
+  "StepPlacement",
   "SwiGLU",
   "add_adapters",
   "capacity",
@@ -133,7 +139,9 @@ __all__ = [
   "moe_ragged_all_to_all",
   "moe_ragged_dot",
   "num_routing_groups",
+  "plan_placement",
   "quantize_experts",
+  "replicate_experts",
   "router_z_loss",
   "sequence_balance_loss",
   "split_trainable",

@@ -10,6 +10,12 @@ A dispatch is a function
   y_TD: f[T, F] = sum_j weights[t, j] * ffn(experts[t, j], x[t]); stats: a dict of
   dispatch statistics (possibly empty), merged into the layer's `aux`.
 
+Given a placement (`moe_layer(..., placement=...)`), the layer calls it with two more
+keywords: `placement` (a one-layer `Placement`: experts_TK stay logical ids, each item goes
+to a replica, `placement.choose_replicas`) and `slot_weights` (whether `ffn` holds the
+placement's S slots, slot-major, or the E logical experts); its stats then hold
+`slot_load` (i32[S], items each slot computed).
+
 `DISPATCHES` maps a name to a `Dispatch` (the function and whether it needs a mesh);
 `MoEConfig(impl=...)` takes a name from it or any function of the signature above. A new
 dispatch is one function and one entry.
@@ -24,10 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from moe_shard import _checks, local, parallel, plan, quant
-from moe_shard.sharding import auto, axis_size
+from moe_shard import placement as placement_lib
+from moe_shard.balance import expert_load
+from moe_shard.sharding import auto, axis_size, data_rows, expert_positions
 
 if TYPE_CHECKING:  # config.py imports this module
   from moe_shard.config import MoEConfig
@@ -36,22 +45,47 @@ if TYPE_CHECKING:  # config.py imports this module
 DispatchFn = Callable[..., tuple[Float[Array, "T F"], dict[str, Any]]]
 
 
-def masked_scan(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+def masked_scan(
+  x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, slot_weights=False
+):
   """`moe_masked_scan` (XLA shards it as it likes on a mesh)."""
-  del mesh, cfg
+  experts_TK, stats = _local_slots(experts_TK, mesh, cfg, placement, slot_weights)
   fn = auto(local.moe_masked_scan, x_TD, lambda spec: spec)
-  return fn(x_TD, ffn, experts_TK, weights_TK), {}
+  return fn(x_TD, ffn, experts_TK, weights_TK), stats
 
 
-def ragged_dot(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+def ragged_dot(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, slot_weights=False):
   """`moe_ragged_dot` with `cfg.gmm_impl` (XLA shards it as it likes on a mesh)."""
-  del mesh
+  experts_TK, stats = _local_slots(experts_TK, mesh, cfg, placement, slot_weights)
   fn = auto(functools.partial(local.moe_ragged_dot, gmm_impl=cfg.gmm_impl), x_TD, lambda spec: spec)
-  return fn(x_TD, ffn, experts_TK, weights_TK), {}
+  return fn(x_TD, ffn, experts_TK, weights_TK), stats
 
 
-def all_gather(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
-  """`moe_all_gather` over `cfg.expert_axis`."""
+def _local_slots(experts_TK, mesh, cfg, placement, slot_weights):
+  """A local dispatch's ids and stats under a placement: each item's slot as the mesh's
+  devices would pick it (`placement.assign_slots`), counted in `slot_load`; the ids become
+  the slots when the weights are slot-major, else stay logical (the local dispatches hold
+  every expert: the placement changes where the rows would go, not the result)."""
+  if placement is None:
+    return experts_TK, {}
+  T = experts_TK.shape[0]
+  positions = rows = None
+  if mesh is not None and T % mesh.size == 0:
+    positions = expert_positions(mesh, cfg.expert_axis)
+    rows = data_rows(mesh, cfg.expert_axis)
+
+  def slots_and_load(e):
+    slots = placement_lib.assign_slots(e, placement, positions, rows)
+    return slots, expert_load(slots, placement.num_slots)
+
+  slots_TK, load_S = auto(slots_and_load, experts_TK, lambda spec: (spec, P()))(experts_TK)
+  return (slots_TK if slot_weights else experts_TK), dict(slot_load=load_S)
+
+
+def all_gather(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, slot_weights=False):
+  """`moe_all_gather` over `cfg.expert_axis`; with a placement, stats: slot_load (the
+  replica rule's count on the tokens as the mesh splits them)."""
+  _, stats = _local_slots(experts_TK, mesh, cfg, placement, slot_weights)
   return parallel.moe_all_gather(
     x_TD,
     ffn,
@@ -62,10 +96,12 @@ def all_gather(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
     gmm_impl=cfg.gmm_impl,
     expert_tensor_axis=cfg.expert_tensor_axis,
     expert_fsdp_axis=cfg.expert_fsdp_axis,
-  ), {}
+    placement=placement,
+    slot_weights=slot_weights,
+  ), stats
 
 
-def all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+def all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, slot_weights=False):
   """`moe_all_to_all` over `cfg.expert_axis`; stats: rounds, items sent, invalid ids."""
   return parallel.moe_all_to_all(
     x_TD,
@@ -79,10 +115,14 @@ def all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
     gmm_impl=cfg.gmm_impl,
     expert_tensor_axis=cfg.expert_tensor_axis,
     expert_fsdp_axis=cfg.expert_fsdp_axis,
+    placement=placement,
+    slot_weights=slot_weights,
   )
 
 
-def ragged_all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
+def ragged_all_to_all(
+  x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, slot_weights=False
+):
   """`moe_ragged_all_to_all` over `cfg.expert_axis` (receive buffer `cfg.recv_capacity`);
   stats: rounds, items sent and received, invalid ids."""
   return parallel.moe_ragged_all_to_all(
@@ -97,6 +137,8 @@ def ragged_all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg):
     gmm_impl=cfg.gmm_impl,
     expert_tensor_axis=cfg.expert_tensor_axis,
     expert_fsdp_axis=cfg.expert_fsdp_axis,
+    placement=placement,
+    slot_weights=slot_weights,
   )
 
 
@@ -183,7 +225,11 @@ def auto_impl(
 
 
 def choose_impl(
-  cfg: MoEConfig, mesh: Mesh | AbstractMesh | None = None, *, tokens: int | None = None
+  cfg: MoEConfig,
+  mesh: Mesh | AbstractMesh | None = None,
+  *,
+  tokens: int | None = None,
+  replicated: bool = False,
 ) -> str | DispatchFn:
   """Resolves `cfg.impl` for a mesh and a number of tokens per device.
 
@@ -192,6 +238,12 @@ def choose_impl(
     mesh: None (default) or a `jax.sharding.Mesh`.
     tokens: tokens per device of the call, T / mesh size rounded up (`moe_layer` passes
       it); None (default): not known, the rule for many tokens.
+    replicated: the call runs on a placement (default False). Its replicas even out each
+      device's rows, which set the ragged dispatch's rounds, but not the (source,
+      destination) pairs that set all_to_all's: a device's own replicas take its items.
+      So where XLA has ragged-all-to-all (TPU, GPU) "auto" takes "ragged_all_to_all" at
+      decode sizes too (Qwen3-30B-A3B at 64 tokens a chip under Zipf routing, compiled for
+      TPU v5e: 1 round against all_to_all's 4, `bench/results/tpu_v5e_2x4_skew_decode`).
 
   Returns:
     `cfg.impl` unless it is "auto" (a name of `DISPATCHES`, or the user's function); for
@@ -221,7 +273,10 @@ def choose_impl(
     rows = chunks.first * n / (cfg.num_experts / n)
   fmt = cfg.weights_format
   weight_bytes = cfg.param_dtype.itemsize if fmt is None else quant.ELEMENT_BYTES[fmt]
-  return auto_impl(_platform(mesh), n, tokens, rows_per_expert=rows, weight_bytes=weight_bytes)
+  platform = _platform(mesh)
+  if replicated and n > 1 and platform in parallel.RAGGED_PLATFORMS:
+    return "ragged_all_to_all"
+  return auto_impl(platform, n, tokens, rows_per_expert=rows, weight_bytes=weight_bytes)
 
 
 def _platform(mesh):

@@ -52,11 +52,14 @@ from moe_shard.config import MoEConfig, check_config
 from moe_shard.dispatch import choose_impl, get_dispatch
 from moe_shard.experts import shared_experts
 from moe_shard.params import MoEParams, _check_params, check_split_axes, moe_param_specs
+from moe_shard.placement import Placement, StepPlacement, check_placement
 from moe_shard.quant import expand, freeze, is_quantized
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
+from moe_shard.replicas import ServedParams
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
 from moe_shard.sharding import (
   auto,
+  axis_size,
   explicit_mesh,
   flatten_tokens,
   like,
@@ -193,6 +196,7 @@ def moe_layer(
   x_BSD: Float[Array, "B S D"],
   cfg: MoEConfig,
   mesh: Mesh | AbstractMesh | None = None,
+  placement: Placement | StepPlacement | str | None = None,
 ) -> tuple[Float[Array, "B S D"], dict[str, Array]]:
   """Applies one MoE layer: route, (drop over capacity), dispatch, combine, add shared.
 
@@ -233,13 +237,20 @@ def moe_layer(
       dropped_tokens: i32[] tokens that reach no routed expert: all of their K items dropped
         by the capacity, or under expert choice chosen by no expert (they get the shared
         experts' output only).
+      device_load: i32[N] (token, expert) items computed at each position of the expert
+        axis (summed over the other mesh axes; N = 1 without a mesh), replicas counted
+        where they run.
+      balancedness: f32[] mean / max of device_load (1.0 when even; 1.0 when empty).
+      step_placement: i32[] (placement "step" only) 1 when the step's plan was used, 0
+        when it did not pay.
     Other statistics of a dispatch (e.g. the all_to_all's items sent per device) come from
     calling it directly (`moe_all_to_all(..., return_stats=True)`).
 
   Raises:
     TypeError, ValueError: a bad cfg, mesh, x (rank, dtype, d_model) or params (a leaf
-      missing or of the wrong shape, named), or `cfg.routing_groups` not dividing B * S, at
-      trace time.
+      missing or of the wrong shape, named), `cfg.routing_groups` not dividing B * S, or a
+      bad placement (not of E experts, slots not dividing the expert axis, slot-major
+      params without theirs), at trace time.
     TypeError: differentiating params in a quantized matrix (a `QuantizedArray`'s float
       scales or FP8 values), at trace time: quantized matrices are frozen; differentiate
       the leaves of `split_trainable(params)[0]` (docs/guides/quantization.md).
@@ -251,13 +262,19 @@ def moe_layer(
     raise ValueError(
       f"{fn}: x_BSD must have shape [B, S, d_model={cfg.d_model}] (got shape {tuple(x_BSD.shape)})"
     )
-  _check_params(fn, params, cfg)
+  mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+  n = 1 if mesh is None else axis_size(mesh, cfg.expert_axis)
+  placement, slot_weights = _check_placement(fn, params, cfg, placement, n)
   # Differentiating a quantized matrix raises (naming it): it has no gradient to apply.
   params = freeze(fn, params)
-  mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
   check_split_axes(fn, cfg, mesh)
   T = x_BSD.shape[0] * x_BSD.shape[1]
-  impl = choose_impl(cfg, mesh, tokens=None if mesh is None else -(-T // mesh.size))
+  impl = choose_impl(
+    cfg,
+    mesh,
+    tokens=None if mesh is None else -(-T // mesh.size),
+    replicated=placement is not None,
+  )
   dispatch = get_dispatch(impl)
   if mesh is None and dispatch.needs_mesh:
     raise ValueError(
@@ -273,7 +290,10 @@ def moe_layer(
   if mesh is not None and explicit_mesh(x_TD)[1] and not explicit_mesh(params.router_DE)[1]:
     # Parameters not on the Explicit mesh yet: placed as `moe_param_specs` says (a router
     # gradient would otherwise contract the split token axis with an unplaced array).
-    specs = expand(moe_param_specs(dataclasses.replace(cfg, weights_format=None)), params)
+    specs = moe_param_specs(dataclasses.replace(cfg, weights_format=None))
+    if isinstance(params, ServedParams):  # the same specs: the slot axis splits like E
+      specs = ServedParams(**{f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)})
+    specs = expand(specs, params)
     params = jax.tree.map(lambda a, spec: place(a, mesh, spec), params, specs)
   T = x_TD.shape[0]
   num_routing_groups(cfg, T, mesh)  # raises on groups that do not divide T
@@ -304,6 +324,16 @@ def moe_layer(
     load_E = auto(functools.partial(expert_load, num_experts=E), experts_TK, lambda _: P())(
       experts_TK
     )
+  step_used = None
+  if isinstance(placement, StepPlacement):
+    if n > 1:
+      with jax.named_scope("plan_step"):
+        placement, step_used = placement.plan(load_E, n)
+    else:  # one device: nothing to spread over
+      placement, step_used = None, jnp.zeros((), bool)
+  dispatch_kwargs = {}
+  if placement is not None:
+    dispatch_kwargs = dict(placement=placement, slot_weights=slot_weights)
   with jax.named_scope("dispatch"):
     # Quantized matrices stay as they are: the matmuls dequantize them to the compute dtype.
     ffn = jax.tree.map(
@@ -313,12 +343,20 @@ def moe_layer(
     )
     if cfg.weights_on == "output":
       y_TD, stats = dispatch.fn(
-        x_TD.astype(compute_dtype), ffn, experts_TK, routing.weights_TK, mesh=mesh, cfg=cfg
+        x_TD.astype(compute_dtype),
+        ffn,
+        experts_TK,
+        routing.weights_TK,
+        mesh=mesh,
+        cfg=cfg,
+        **dispatch_kwargs,
       )
     else:
       items = auto(input_weighted_items, x_TD, lambda spec: (spec, spec, spec))
       x_ID, experts_I1, ones_I1 = items(x_TD.astype(compute_dtype), experts_TK, routing.weights_TK)
-      y_ID, stats = dispatch.fn(x_ID, ffn, experts_I1, ones_I1, mesh=mesh, cfg=cfg)
+      y_ID, stats = dispatch.fn(
+        x_ID, ffn, experts_I1, ones_I1, mesh=mesh, cfg=cfg, **dispatch_kwargs
+      )
       y_TD = auto(functools.partial(sum_items, tokens=T), y_ID, lambda spec: spec)(y_ID)
     y_TD = checkpoint_name(like(y_TD.astype(jnp.float32), x_TD), MOE_DISPATCH_OUT)
   if params.shared is not None:
@@ -349,5 +387,67 @@ def moe_layer(
     # Items the dispatch itself dropped (a capacity-limited dispatch) count too.
     dropped_items=jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0),
     dropped_tokens=jnp.sum(jnp.all((experts_TK < 0) | (experts_TK >= E), axis=1), dtype=jnp.int32),
+    **device_load(load_E if placement is None else stats["slot_load"], n),
   )
+  if step_used is not None:
+    aux["step_placement"] = step_used.astype(jnp.int32)
   return like(y_BSD, x_BSD), aux
+
+
+def device_load(load: Int[Array, " S"], num_devices: int) -> dict[str, Array]:
+  """{"device_load": i32[N] the items of each device's S / N experts or slots,
+  "balancedness": f32[] their mean over their max (1.0 when all are zero)}."""
+  per_device = jnp.sum(load.reshape(num_devices, -1), axis=1, dtype=jnp.int32)
+  busiest = jnp.max(per_device)
+  mean = jnp.mean(per_device.astype(jnp.float32))
+  balance = jnp.where(busiest > 0, mean / jnp.maximum(busiest, 1).astype(jnp.float32), 1.0)
+  return dict(device_load=per_device, balancedness=balance)
+
+
+def _check_placement(fn, params, cfg, placement, n):
+  """Checks params and placement together: (the placement, StepPlacement or None, and
+  whether params hold its slots)."""
+  served = isinstance(params, ServedParams)
+  if isinstance(placement, str):
+    if placement != "step":
+      raise ValueError(
+        f"{fn}: placement must be a Placement, 'step', a StepPlacement or None (got {placement!r})"
+      )
+    placement = StepPlacement()
+  if isinstance(placement, StepPlacement):
+    if served:
+      raise ValueError(
+        f"{fn}: placement 'step' plans on the logical parameters (MoEParams); got "
+        f"slot-major ServedParams: pass the placement they were made for"
+      )
+    if n > 1:
+      _checks.divisible(fn, "num_experts", cfg.num_experts, "the expert axis size", n)
+    _check_params(fn, params, cfg)
+    return placement, False
+  if placement is None:
+    if served:
+      raise ValueError(
+        f"{fn}: params are slot-major (ServedParams from replicate_experts): pass the "
+        f"placement they were made for (got placement=None)"
+      )
+    _check_params(fn, params, cfg)
+    return None, False
+  placement = check_placement(fn, placement, cfg.num_experts, n)
+  if served:
+    S = placement.num_slots
+    first = jax.tree.leaves(params.experts)[0].shape[0]
+    if first != S:
+      raise ValueError(
+        f"{fn}: params.experts must hold the placement's {S} slots on axis 0 (got {first})"
+      )
+    # The slots checked as experts, by shape only (abstract zeros of E experts' shapes).
+    E = cfg.num_experts
+
+    def probe():
+      experts = jax.tree.map(lambda a: jnp.zeros((E,) + a.shape[1:], a.dtype), params.experts)
+      _check_params(fn, dataclasses.replace(params, experts=experts), cfg)
+
+    jax.eval_shape(probe)
+  else:
+    _check_params(fn, params, cfg)
+  return placement, served

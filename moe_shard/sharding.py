@@ -350,3 +350,28 @@ def unflatten_tokens(y_TD, x_BSD, mesh):
   # x was not on the mesh: its batch split over the mesh when it divides, else whole.
   y_TD = place(y_TD, mesh, token_spec(mesh) if B % mesh.size == 0 else P())
   return y_TD.reshape(shape)
+
+
+def expert_positions(mesh, expert_axis):
+  """np.int32[mesh.size]: the position on the expert axis of the g-th device of the mesh in
+  the order tokens are split over it (`token_spec`: every axis, row-major); for a tuple of
+  expert axes, the linear position over them in the order given."""
+  shape = tuple(mesh.shape[a] for a in mesh.axis_names)
+  coords = np.unravel_index(np.arange(math.prod(shape)), shape)
+  position = np.zeros(math.prod(shape), np.int64)
+  for a in expert_axes(expert_axis):
+    position = position * mesh.shape[a] + coords[list(mesh.axis_names).index(a)]
+  return position.astype(np.int32)
+
+
+def data_rows(mesh, expert_axis):
+  """np.int32[mesh.size]: the row of the g-th device (`expert_positions`' order): the linear
+  index over the mesh's other axes. The devices of one row, one per expert-axis position,
+  are those a dispatch exchanges among."""
+  shape = tuple(mesh.shape[a] for a in mesh.axis_names)
+  coords = np.unravel_index(np.arange(math.prod(shape)), shape)
+  row = np.zeros(math.prod(shape), np.int64)
+  for i, a in enumerate(mesh.axis_names):
+    if a not in expert_axes(expert_axis):
+      row = row * mesh.shape[a] + coords[i]
+  return row.astype(np.int32)

@@ -135,26 +135,40 @@ def _assert_rel(got, want, what):
   assert err <= RTOL, f"{what}: {err:.2e} of the largest entry"
 
 
-# The default mesh: jax.make_mesh's Explicit axes, as users build it.
+# Device 1 of the 4-device expert axis holds replicas only: its adapters are fetched with
+# their matrices, and their gradients summed back to the owners; the per-step plan made to
+# move experts at any load.
+ONLY_REPLICAS = ms.Placement.from_phy2log(np.array([0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 3]), E)
+
+# The default mesh: jax.make_mesh's Explicit axes, as users build it; the last entry the
+# layer's placement (docs/guides/skew.md).
 DISPATCHES = [
-  ("masked_scan", False, {}),
-  ("ragged_dot", False, {}),
-  ("all_gather", True, dict(expert_fsdp_axis="data")),
-  ("all_to_all", True, {}),
-  ("all_to_all", True, dict(expert_tensor_axis="data")),
-  ("ragged_all_to_all", True, {}),
+  ("masked_scan", False, {}, None),
+  ("ragged_dot", False, {}, None),
+  ("all_gather", True, dict(expert_fsdp_axis="data"), None),
+  ("all_to_all", True, {}, None),
+  ("all_to_all", True, dict(expert_tensor_axis="data"), None),
+  ("ragged_all_to_all", True, {}, None),
+  ("ragged_all_to_all", True, {}, ONLY_REPLICAS),
+  ("all_to_all", True, {}, ms.StepPlacement(spare_slots=1, rows_per_moved_expert=0)),
 ]
 
 
-@pytest.mark.parametrize(("impl", "on_mesh", "split"), DISPATCHES, ids=lambda v: str(v))
-def test_adapters_match_the_float64_model(impl, on_mesh, split):
+@pytest.mark.parametrize(
+  ("impl", "on_mesh", "split", "placement"),
+  DISPATCHES,
+  ids=lambda v: {ms.Placement: "only_replicas", ms.StepPlacement: "step"}.get(type(v), str(v)),
+)
+def test_adapters_match_the_float64_model(impl, on_mesh, split, placement):
   cfg, ad, x, ct, y64, g64 = _case()
   cfg = dataclasses.replace(cfg, impl=impl, **split)
   mesh = jax.make_mesh((2, 4), ("data", "expert")) if on_mesh else None
   trainable, frozen = ms.split_trainable(ad)
 
   def loss(trainable, x):
-    y, aux = ms.moe_layer(ms.merge_trainable(trainable, frozen), x, cfg, mesh=mesh)
+    y, aux = ms.moe_layer(
+      ms.merge_trainable(trainable, frozen), x, cfg, mesh=mesh, placement=placement
+    )
     return jnp.sum(y * ct) + aux["aux_loss"], y
 
   (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(

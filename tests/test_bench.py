@@ -334,6 +334,9 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
     (["-K", "9"], "top-k (9) must be <= experts (8)"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--devices", "16"], "--devices 16: JAX is already initialised with 8 CPU devices"),
+    (["--placement", "hot"], "unknown placement hot"),
+    (["--replicas", "4"], "experts + replicas (8 + 4) must be divisible by the expert axis"),
+    (["--placement", "step"], "placement 'step' needs replicas, a multiple of the expert axis"),
   ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
@@ -931,3 +934,30 @@ def test_time_in_turns_stops_a_program_whose_runs_settle(monkeypatch):
   assert times[1]["runs"] == 5 and times[1]["median"] == pytest.approx(1.5)
   assert [int(o) for o in outputs] == [1, 2]
   assert common.time_in_turns([(program([1.0, 1.0, 2.0]), (0,))], 2)[0]["runs"] == 2
+
+
+@pytest.mark.parametrize(
+  "placement, impl",
+  [("static", "ragged_all_to_all"), ("served", "all_to_all"), ("step", "all_to_all")],
+)
+def test_placed_accounting_matches_the_layer(placement, impl, mesh42):
+  """With a placement the host's model of the replica rule (and of the step's plan) gives
+  the layer's rounds and each expert-axis position's rows; "static" skews a 4 x 2 mesh
+  onto one expert and spreads it over 4 redundant slots."""
+  size = dataclasses.replace(SMALL, T=512, placement=placement, replicas=4)
+  case = progs.make_case("layer", 8, "zipf", size, mesh42)
+  if placement == "step":  # a plan that pays at these sizes
+    case.placement = ms.StepPlacement(spare_slots=1, rows_per_moved_expert=0)
+  acc, rows = accounting.placed(impls.BENCH_IMPLS[impl].accounting, case, False, impl)
+  cfg = dataclasses.replace(case.cfg, impl=impl)
+  params, x, _ = case.args
+  with jax.set_mesh(mesh42):
+    _, aux = jax.jit(lambda p, x: ms.moe_layer(p, x, cfg, mesh42, placement=case.placement))(
+      params, x
+    )
+  assert acc.rounds == int(aux["rounds"])
+  np.testing.assert_array_equal(rows.reshape(4, 2).sum(1), aux["device_load"])
+  if placement == "step":
+    assert int(aux["step_placement"]) == 1
+  unplaced = accounting.chip_rows(case.experts_TK, 8, case)
+  assert rows.max() < unplaced.max()  # the replicas take load off the busiest device

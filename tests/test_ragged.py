@@ -426,6 +426,10 @@ def test_auto_is_ragged_on_tpu_and_chunked_on_cpu():
 
   tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")).reshape(4, 2), (ms.EXPERT, ms.DATA))
   assert ms.choose_impl(cfg, tpu_mesh) == "ragged_all_to_all"
+  # At decode sizes all_to_all, unless a placement's replicas take a device's own items.
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=8) == "all_to_all"
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=8, replicated=True) == "ragged_all_to_all"
+  assert ms.choose_impl(cfg, mesh("4x2-auto"), tokens=8, replicated=True) == "all_to_all"
 
 
 @pytest.mark.parametrize(

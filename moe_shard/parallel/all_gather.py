@@ -7,11 +7,14 @@ import functools
 import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks, local
 from moe_shard.experts import ExpertFFN
 from moe_shard.parallel.common import _prepare, gather_weights, output_once, shard_map
+from moe_shard.parallel.replicas import check_dispatch_placement, slot_inputs
+from moe_shard.placement import Placement
 from moe_shard.remat import MOE_DISPATCH_RECV
 from moe_shard.sharding import EXPERT, expert_axes, resolve_mesh, trim, vary_over
 
@@ -29,6 +32,8 @@ def moe_all_gather(
   gmm_impl: str = "auto",
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
 ) -> Float[Array, "T F"]:
   """Expert-parallel MoE: all_gather tokens, compute local experts, reduce-scatter.
 
@@ -55,6 +60,12 @@ def moe_all_gather(
       and this one, and the partial outputs reduce-scattered over both in one collective.
     expert_fsdp_axis: None (default) or a mesh axis splitting the last dimension of every
       matrix of `w` (`MoEConfig.expert_fsdp_axis`): all-gathered once per call.
+    placement: None (default) or a one-layer `Placement` of the E experts over S slots:
+      each item goes to a replica of its expert (`placement.choose_replicas`: one on its
+      own device first, else spread evenly), computed by the device holding that slot. `w`
+      holds the E logical experts, whose slots' weights are fetched from their owners
+      inside the call (their gradients summed back), or, with `slot_weights`, the S slots.
+    slot_weights: whether `w` holds the placement's slots (default False).
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`, split over the mesh like the tokens.
@@ -65,6 +76,9 @@ def moe_all_gather(
   """
   expert_axis = _checks.expert_axis_field("moe_all_gather", expert_axis)
   mesh = resolve_mesh("moe_all_gather", mesh, expert_axis, required=True)
+  placement, grad_rows = check_dispatch_placement(
+    "moe_all_gather", placement, w, mesh, expert_axis, slot_weights
+  )
   return _all_gather_jit(
     x_TD,
     w,
@@ -75,29 +89,63 @@ def moe_all_gather(
     gmm_impl=gmm_impl,
     tensor_axis=expert_tensor_axis,
     fsdp_axis=expert_fsdp_axis,
+    placement=placement,
+    slot_weights=bool(slot_weights),
+    grad_rows=grad_rows,
   )
 
 
 @functools.partial(
-  jax.jit, static_argnames=("mesh", "expert_axis", "gmm_impl", "tensor_axis", "fsdp_axis")
+  jax.jit,
+  static_argnames=(
+    "mesh",
+    "expert_axis",
+    "gmm_impl",
+    "tensor_axis",
+    "fsdp_axis",
+    "slot_weights",
+    "grad_rows",
+  ),
 )
 def _all_gather_jit(
-  x_TD, w, experts, weights, *, mesh, expert_axis, gmm_impl, tensor_axis, fsdp_axis
+  x_TD,
+  w,
+  experts,
+  weights,
+  *,
+  mesh,
+  expert_axis,
+  gmm_impl,
+  tensor_axis,
+  fsdp_axis,
+  placement,
+  slot_weights,
+  grad_rows,
 ):
   # Jitted so that a call outside jit does not run the shard_map body op by op.
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
     "moe_all_gather", x_TD, w, experts, weights, mesh, expert_axis, tensor_axis, fsdp_axis
   )
-  body = functools.partial(_all_gather_body, lay=lay, gmm_impl=gmm_impl)
-  tok = lay.token_spec
-  y_TF = shard_map(body, mesh, in_specs=(tok, lay.ffn_specs(ffn), tok, tok), out_specs=tok)(
-    x_TD, ffn, experts_TK, weights_TK
+  body = functools.partial(
+    _all_gather_body, lay=lay, gmm_impl=gmm_impl, slot_weights=slot_weights, grad_rows=grad_rows
   )
+  tok = lay.token_spec
+  args, specs = (x_TD, ffn, experts_TK, weights_TK), (tok, lay.ffn_specs(ffn), tok, tok)
+  if placement is not None:
+    args, specs = args + (placement,), specs + (jax.tree.map(lambda _: P(), placement),)
+  y_TF = shard_map(body, mesh, in_specs=specs, out_specs=tok)(*args)
   return trim(y_TF, mesh, lay.tokens)
 
 
-def _all_gather_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, gmm_impl):
-  # Per-device sizes: T tokens of this device, L = E / N local experts.
+def _all_gather_body(
+  x_TD, ffn_L, experts_TK, weights_TK, *placement, lay, gmm_impl, slot_weights, grad_rows
+):
+  # Per-device sizes: T tokens of this device, L = E / N local experts (with a placement:
+  # E = S slots, L = S / N of them here, and the ids are slot ids).
+  if placement:
+    lay, ffn_L, experts_TK, _ = slot_inputs(
+      lay, placement[0], ffn_L, experts_TK, slot_weights=slot_weights, grad_rows=grad_rows
+    )
   axis = lay.expert_axis
   L = lay.num_experts // lay.n
   ffn_L = vary_over(

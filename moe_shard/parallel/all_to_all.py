@@ -23,6 +23,8 @@ from moe_shard.parallel.common import (
   output_once,
   run_on_mesh,
 )
+from moe_shard.parallel.replicas import check_dispatch_placement, slot_inputs
+from moe_shard.placement import Placement
 from moe_shard.quant import merge, split_frozen, zero_cotangent
 from moe_shard.sharding import EXPERT, axis_size, fori_while, resolve_mesh, vary_over
 
@@ -46,6 +48,8 @@ def moe_all_to_all(
   gmm_impl: str = "auto",
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
 ) -> Float[Array, "T F"]: ...
 @overload
 def moe_all_to_all(
@@ -61,6 +65,8 @@ def moe_all_to_all(
   gmm_impl: str = "auto",
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
 ) -> tuple[Float[Array, "T F"], dict[str, Any]]: ...
 def moe_all_to_all(
   x_TD: Float[Array, "T D"],
@@ -75,6 +81,8 @@ def moe_all_to_all(
   gmm_impl: str = "auto",
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
 ) -> Float[Array, "T F"] | tuple[Float[Array, "T F"], dict[str, Any]]:
   """Expert-parallel MoE: dropless chunked all_to_all dispatch, compute, and return.
 
@@ -119,12 +127,20 @@ def moe_all_to_all(
     expert_fsdp_axis: None (default) or a mesh axis splitting the last dimension of every
       matrix of `w` (`MoEConfig.expert_fsdp_axis`): all-gathered once per call, before the
       rounds.
+    placement: None (default) or a one-layer `Placement` of the E experts over S slots:
+      each item goes to a replica of its expert (`placement.choose_replicas`: one on its
+      own device first, else spread evenly), and the dispatch runs over the slots, S / N a
+      device. `w` holds the E logical experts, whose slots' weights are fetched from their
+      owners inside the call (their gradients summed back), or, with `slot_weights`, the
+      S slots (`replicate_experts`).
+    slot_weights: whether `w` holds the placement's slots (default False).
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats
     holds `rounds` (i32[]), `sent_items` and `sent_slots` (i32[devices]: valid items and
     all slots, padding included, sent per device; self included), `expert_load` (i32[E]),
-    `invalid_ids` (i32[]: ids outside [0, E)), `chunk_first` and `chunk_overflow` (ints).
+    `invalid_ids` (i32[]: ids outside [0, E)), `chunk_first` and `chunk_overflow` (ints);
+    with a placement, `slot_load` (i32[S]: items each slot computed).
 
   Raises:
     TypeError, ValueError: bad arguments, no mesh (none given and none in scope), or E not
@@ -133,6 +149,9 @@ def moe_all_to_all(
   expert_axis = _checks.expert_axis_field("moe_all_to_all", expert_axis)
   mesh = resolve_mesh("moe_all_to_all", mesh, expert_axis, required=True)
   chunk_size = _checks.chunk_size_field("moe_all_to_all", chunk_size)
+  placement, grad_rows = check_dispatch_placement(
+    "moe_all_to_all", placement, w, mesh, expert_axis, slot_weights
+  )
   out = _all_to_all_jit(
     x_TD,
     w,
@@ -145,6 +164,9 @@ def moe_all_to_all(
     gmm_impl=gmm_impl,
     tensor_axis=expert_tensor_axis,
     fsdp_axis=expert_fsdp_axis,
+    placement=placement,
+    slot_weights=bool(slot_weights),
+    grad_rows=grad_rows,
   )
   if not return_stats:
     return out
@@ -164,6 +186,8 @@ def moe_all_to_all(
     "gmm_impl",
     "tensor_axis",
     "fsdp_axis",
+    "slot_weights",
+    "grad_rows",
   ),
 )
 def _all_to_all_jit(
@@ -179,16 +203,28 @@ def _all_to_all_jit(
   gmm_impl,
   tensor_axis,
   fsdp_axis,
+  placement,
+  slot_weights,
+  grad_rows,
 ):
   # Jitted so that a call outside jit does not run the shard_map body op by op.
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
     "moe_all_to_all", x_TD, w, experts, weights, mesh, expert_axis, tensor_axis, fsdp_axis
   )
   chunks = plan_lib.default_chunks(lay.padded // mesh.size, experts_TK.shape[1], lay.n, chunk_size)
-  body = functools.partial(_all_to_all_body, lay=lay, chunks=chunks, gmm_impl=gmm_impl)
+  body = functools.partial(
+    _all_to_all_body,
+    lay=lay,
+    chunks=chunks,
+    gmm_impl=gmm_impl,
+    slot_weights=slot_weights,
+    grad_rows=grad_rows,
+  )
   tok = lay.token_spec
   stats_specs = dict(rounds=P(), sent_items=tok, sent_slots=tok, expert_load=P(), invalid_ids=P())
-  return run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats)
+  return run_on_mesh(
+    body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats, placement
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,8 +239,16 @@ class _A2A:
   tensor_axis: str | None  # expert tensor parallelism (`local_experts`)
 
 
-def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_impl):
-  # Per-device sizes: T tokens of this device, K slots, L = E / N local experts.
+def _all_to_all_body(
+  x_TD, ffn_L, experts_TK, weights_TK, *placement, lay, chunks, gmm_impl, slot_weights, grad_rows
+):
+  # Per-device sizes: T tokens of this device, K slots, L = E / N local experts (with a
+  # placement: E = S slots, L = S / N of them here, and the ids are slots).
+  extra = {}
+  if placement:
+    lay, ffn_L, experts_TK, extra = slot_inputs(
+      lay, placement[0], ffn_L, experts_TK, slot_weights=slot_weights, grad_rows=grad_rows
+    )
   cfg = _A2A(lay.expert_axis, lay.n, lay.num_experts // lay.n, chunks, gmm_impl, lay.tensor_axis)
   with jax.named_scope("plan"):
     plan = plan_lib.send_plan(experts_TK, lay.num_experts, lay.n)
@@ -216,13 +260,16 @@ def _all_to_all_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, chunks, gmm_im
   )
   y_TF = _rounds(cfg, x_TD, ffn_L, weights_TK, plan, local_I, rounds)
   sent = jnp.sum(plan.count_N)
-  stats = dict(
-    rounds=rounds.astype(jnp.int32),
-    sent_items=sent[None],
-    sent_slots=(cfg.n * (chunks.first + (rounds - 1) * chunks.overflow))[None].astype(jnp.int32),
-    expert_load=jax.lax.psum(expert_load(experts_TK, lay.num_experts), lay.all_axes),
-    invalid_ids=jax.lax.psum(jnp.sum(~plan.valid_I).astype(jnp.int32), lay.all_axes),
-  )
+  stats = (
+    dict(
+      rounds=rounds.astype(jnp.int32),
+      sent_items=sent[None],
+      sent_slots=(cfg.n * (chunks.first + (rounds - 1) * chunks.overflow))[None].astype(jnp.int32),
+      expert_load=jax.lax.psum(expert_load(experts_TK, lay.num_experts), lay.all_axes),
+      invalid_ids=jax.lax.psum(jnp.sum(~plan.valid_I).astype(jnp.int32), lay.all_axes),
+    )
+    | extra
+  )  # with a placement: the logical expert_load, and slot_load
   # JAX types a custom_vjp made with functools.partial as returning object.
   return y_TF.astype(x_TD.dtype), stats  # pyright: ignore[reportAttributeAccessIssue]
 

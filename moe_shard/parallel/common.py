@@ -273,20 +273,22 @@ def shard_map(body, mesh, in_specs, out_specs):
   return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats):
+def run_on_mesh(
+  body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats, placement=None
+):
   """Runs a dispatch body under shard_map on placed inputs: (y_TF, stats) or y_TF.
 
-  Tokens, ids and weights are split like `lay.token_spec`, the FFN over the expert axis;
-  the padding tokens are trimmed from y, and their K slots (id -1 each) are taken out of
-  `stats["invalid_ids"]`: they are not the caller's.
+  Tokens, ids and weights are split like `lay.token_spec`, the FFN over the expert axis, a
+  placement (when given, a fifth argument of the body) replicated; the padding tokens are
+  trimmed from y, and their K slots (id -1 each) are taken out of `stats["invalid_ids"]`:
+  they are not the caller's.
   """
   tok = lay.token_spec
-  y_TF, stats = shard_map(
-    body,
-    lay.mesh,
-    in_specs=(tok, lay.ffn_specs(ffn), tok, tok),
-    out_specs=(tok, stats_specs),
-  )(x_TD, ffn, experts_TK, weights_TK)
+  args, specs = (x_TD, ffn, experts_TK, weights_TK), (tok, lay.ffn_specs(ffn), tok, tok)
+  if placement is not None:
+    args, specs = args + (placement,), specs + (jax.tree.map(lambda _: P(), placement),)
+    stats_specs = dict(stats_specs, slot_load=P())
+  y_TF, stats = shard_map(body, lay.mesh, in_specs=specs, out_specs=(tok, stats_specs))(*args)
   y_TF = trim(y_TF, lay.mesh, lay.tokens)
   if not return_stats:
     return y_TF

@@ -25,6 +25,8 @@ from moe_shard.parallel.common import (
   run_on_mesh,
 )
 from moe_shard.parallel.ragged_exchange import ragged_exchange
+from moe_shard.parallel.replicas import check_dispatch_placement, slot_inputs
+from moe_shard.placement import Placement
 from moe_shard.quant import merge, split_frozen, zero_cotangent
 from moe_shard.sharding import (
   EXPERT,
@@ -54,6 +56,8 @@ def moe_ragged_all_to_all(
   gmm_impl: str = "auto",
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
 ) -> Float[Array, "T F"]: ...
 @overload
 def moe_ragged_all_to_all(
@@ -69,6 +73,8 @@ def moe_ragged_all_to_all(
   gmm_impl: str = "auto",
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
 ) -> tuple[Float[Array, "T F"], dict[str, Any]]: ...
 def moe_ragged_all_to_all(
   x_TD: Float[Array, "T D"],
@@ -83,6 +89,8 @@ def moe_ragged_all_to_all(
   gmm_impl: str = "auto",
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
 ) -> Float[Array, "T F"] | tuple[Float[Array, "T F"], dict[str, Any]]:
   """Expert-parallel MoE: dropless `ragged_all_to_all` dispatch, compute, and return.
 
@@ -137,13 +145,20 @@ def moe_ragged_all_to_all(
     expert_fsdp_axis: None (default) or a mesh axis splitting the last dimension of every
       matrix of `w` (`MoEConfig.expert_fsdp_axis`): all-gathered once per call, before the
       rounds.
+    placement: None (default) or a one-layer `Placement` of the E experts over S slots:
+      each item goes to a replica of its expert (`placement.choose_replicas`: one on its
+      own device first, else spread evenly), and the dispatch runs over the slots, S / N a
+      device. `w` holds the E logical experts, whose slots' weights are fetched from their
+      owners inside the call (their gradients summed back), or, with `slot_weights`, the
+      S slots (`replicate_experts`).
+    slot_weights: whether `w` holds the placement's slots (default False).
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats
     holds `rounds` (i32[]), `sent_items` and `received_items` (i32[devices]: valid items
     each device sends and receives, itself included), `expert_load` (i32[E]),
     `invalid_ids` (i32[]: ids outside [0, E)), `capacity` and `capacity_overflow` (ints:
-    C and C_overflow).
+    C and C_overflow); with a placement, `slot_load` (i32[S]: items each slot computed).
 
   Raises:
     TypeError, ValueError: bad arguments, no mesh (none given and none in scope), or E not
@@ -154,6 +169,7 @@ def moe_ragged_all_to_all(
   mesh = resolve_mesh(fn, mesh, expert_axis, required=True)
   if recv_capacity is not None:
     recv_capacity = _checks.int_field(fn, "recv_capacity", recv_capacity, 1)
+  placement, grad_rows = check_dispatch_placement(fn, placement, w, mesh, expert_axis, slot_weights)
   out = _ragged_jit(
     x_TD,
     w,
@@ -166,13 +182,16 @@ def moe_ragged_all_to_all(
     gmm_impl=gmm_impl,
     tensor_axis=expert_tensor_axis,
     fsdp_axis=expert_fsdp_axis,
+    placement=placement,
+    slot_weights=bool(slot_weights),
+    grad_rows=grad_rows,
   )
   if not return_stats:
     return out
   y_TF, stats = out
   T, K = jnp.shape(x_TD)[0], (jnp.shape(experts) + (1,))[1]
   N = axis_size(mesh, expert_axis)
-  E = jax.tree.leaves(w)[0].shape[0]
+  E = jax.tree.leaves(w)[0].shape[0] if placement is None else placement.num_slots
   rows = plan_lib.default_capacity(-(-T // mesh.size), K, recv_capacity, N, E // N)
   return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.overflow)
 
@@ -187,6 +206,8 @@ def moe_ragged_all_to_all(
     "gmm_impl",
     "tensor_axis",
     "fsdp_axis",
+    "slot_weights",
+    "grad_rows",
   ),
 )
 def _ragged_jit(
@@ -202,19 +223,31 @@ def _ragged_jit(
   gmm_impl,
   tensor_axis,
   fsdp_axis,
+  placement,
+  slot_weights,
+  grad_rows,
 ):
   lay, x_TD, ffn, experts_TK, weights_TK = _prepare(
     "moe_ragged_all_to_all", x_TD, w, experts, weights, mesh, expert_axis, tensor_axis, fsdp_axis
   )
   K = experts_TK.shape[1]
-  L = lay.num_experts // lay.n
-  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, recv_capacity, lay.n, L)
-  body = functools.partial(_ragged_body, lay=lay, rows=rows, gmm_impl=gmm_impl)
+  E = lay.num_experts if placement is None else placement.num_slots
+  rows = plan_lib.default_capacity(lay.padded // mesh.size, K, recv_capacity, lay.n, E // lay.n)
+  body = functools.partial(
+    _ragged_body,
+    lay=lay,
+    rows=rows,
+    gmm_impl=gmm_impl,
+    slot_weights=slot_weights,
+    grad_rows=grad_rows,
+  )
   tok = lay.token_spec
   stats_specs = dict(
     rounds=P(), sent_items=tok, received_items=tok, expert_load=P(), invalid_ids=P()
   )
-  return run_on_mesh(body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats)
+  return run_on_mesh(
+    body, lay, x_TD, ffn, experts_TK, weights_TK, stats_specs, return_stats, placement
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,15 +283,24 @@ class _Queues:
   rstart_SL: jax.Array
 
 
-def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
+def _ragged_body(
+  x_TD, ffn_L, experts_TK, weights_TK, *placement, lay, rows, gmm_impl, slot_weights, grad_rows
+):
   # Per-device sizes: T tokens of this device, K slots, I = T*K items, L local experts,
-  # N (= S) devices on the expert axis, C rows of a receive buffer.
+  # N (= S) devices on the expert axis, C rows of a receive buffer. With a placement the
+  # experts are its slots (E = S, L = S / N here) and the ids slot ids.
+  extra = {}
+  if placement:
+    lay, ffn_L, experts_TK, extra = slot_inputs(
+      lay, placement[0], ffn_L, experts_TK, slot_weights=slot_weights, grad_rows=grad_rows
+    )
   axis, N = lay.expert_axis, lay.n
   ffn_L = vary_over(
     output_once(gather_weights(ffn_L, lay.fsdp_axis), lay.tensor_axis), lay.other_axes
   )
   if N == 1 and lay.tensor_axis is None:
-    return _one_device_body(x_TD, ffn_L, experts_TK, weights_TK, lay=lay, gmm_impl=gmm_impl)
+    y_TF, stats = _one_device_body(x_TD, ffn_L, experts_TK, weights_TK, lay=lay, gmm_impl=gmm_impl)
+    return y_TF, stats | extra
   cfg = _Ragged(axis, lay.num_experts // N, rows, gmm_impl, lay.tensor_axis)
   T, K = experts_TK.shape
   with jax.named_scope("plan"):
@@ -282,13 +324,16 @@ def _ragged_body(x_TD, ffn_L, experts_TK, weights_TK, *, lay, rows, gmm_impl):
   with jax.named_scope("combine"):
     weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)
     y_TF = local.rows_to_tokens(y_IF, index, weights_TK)
-  stats = dict(
-    rounds=rounds.astype(jnp.int32),
-    sent_items=jnp.sum(count_NL)[None].astype(jnp.int32),
-    received_items=received[None].astype(jnp.int32),
-    expert_load=jax.lax.psum(load_E, lay.all_axes),
-    invalid_ids=jax.lax.psum(jnp.sum(~valid_I).astype(jnp.int32), lay.all_axes),
-  )
+  stats = (
+    dict(
+      rounds=rounds.astype(jnp.int32),
+      sent_items=jnp.sum(count_NL)[None].astype(jnp.int32),
+      received_items=received[None].astype(jnp.int32),
+      expert_load=jax.lax.psum(load_E, lay.all_axes),
+      invalid_ids=jax.lax.psum(jnp.sum(~valid_I).astype(jnp.int32), lay.all_axes),
+    )
+    | extra
+  )  # with a placement: the logical expert_load, and slot_load
   return y_TF.astype(x_TD.dtype), stats
 
 

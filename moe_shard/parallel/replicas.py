@@ -1,0 +1,238 @@
+"""Replicated experts on the mesh: moving expert weights to slots, and gradients back.
+
+Inside a dispatch's `shard_map` body, a placement (`moe_shard.placement.Placement`) turns
+the call into one over S slots, S / N a device (`slot_inputs`): each item picks a replica
+(`placement.choose_replicas`, its own device first) and, when the weights are the logical
+ones ([E, ...], L = E / N a device, as training holds them), each device fetches its slots'
+weights from the experts' owners (`fetch_slots`). The fetch is a `ragged_all_to_all` with
+one one-expert slice per (source, slot): bytes only for the slots whose expert another
+device owns, a local copy for the others. Its backward sends each slot's weight gradient
+back to the owner, which sums the replicas' gradients into its expert's.
+
+`gather_slots` is the transport (also `replicas.replicate_experts`'s, moving slot-major
+weights between placements); `plan_step` plans a placement inside the step from the step's
+own routing (`moe_layer(..., placement="step")`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_shard import placement as placement_lib
+from moe_shard.balance import expert_load
+from moe_shard.parallel.ragged_exchange import ragged_exchange
+from moe_shard.quant import is_quantized, stop_gradient
+
+
+def gather_slots(leaf_R, src_dev_S, src_row_S, *, axis, n):
+  """This device's S / N slots of a leaf, each a row of some device's leaf.
+
+  Slot j of device d (global slot d * S/N + j) is row `src_row[s]` of device
+  `src_dev[s]`'s `leaf_R` (a local copy where src_dev[s] == d).
+
+  Args:
+    leaf_R: [R, ...] this device's rows (experts, or slots).
+    src_dev_S: i32[S] (replicated) the device each slot's row comes from.
+    src_row_S: i32[S] its row there.
+    axis: the mesh axis (or tuple of axes) of the N devices.
+    n: N.
+
+  Returns:
+    [S / N, ...] in the dtype of `leaf_R`.
+  """
+  S = src_dev_S.shape[0]
+  Ls = S // n
+  me = jax.lax.axis_index(axis)
+  dev_NJ, row_NJ = src_dev_S.reshape(n, Ls), src_row_S.reshape(n, Ls)
+  # As a source: for each destination d and its slot j, send row_NJ[d, j] when it is ours.
+  send_NJ = (dev_NJ == me).astype(jnp.int32)
+  # As a destination: slot j of ours comes from device src_dev[me * Ls + j].
+  mine_J = jax.lax.dynamic_index_in_dim(dev_NJ, me, keepdims=False)
+  recv_NJ = (mine_J[None, :] == jnp.arange(n)[:, None]).astype(jnp.int32)
+  at_NJ = jnp.broadcast_to(jnp.arange(Ls, dtype=jnp.int32), (n, Ls))
+  out = jnp.zeros((Ls,) + leaf_R.shape[1:], leaf_R.dtype)
+  # Each device sends each slot's row to the slot's device, and receives its own slots'.
+  return ragged_exchange(
+    leaf_R,
+    out,
+    jnp.where(send_NJ > 0, row_NJ, 0).reshape(-1),
+    send_NJ.reshape(-1),
+    at_NJ.reshape(-1),
+    recv_NJ.reshape(-1),
+    axis=axis,
+    rows_per_peer=Ls,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fetch:
+  """Static facts of one fetch (a custom_vjp nondiff argument)."""
+
+  axis: str | tuple[str, ...]
+  n: int  # N devices on the expert axis
+  local: int  # L experts a device owns
+  grad_rows: int  # most slots whose expert one device owns (the gradient's receive buffer)
+
+
+def fetch_slots(ffn_L, phy2log_S, *, axis, n, grad_rows):
+  """The weights of this device's slots, from the logical experts' owners.
+
+  Args:
+    ffn_L: the expert FFN of this device's L = E / N logical experts (expert axis first).
+    phy2log_S: i32[S] (replicated) logical expert of each slot.
+    axis, n: the expert axis and its size N.
+    grad_rows: a static bound on the slots whose expert one device owns (at most
+      S - E + L).
+
+  Returns:
+    The FFN of this device's S / N slots. Differentiable in the trainable leaves: each
+    slot's gradient is summed into its expert's on the owner. Quantized matrices are
+    fetched frozen.
+  """
+  L = jax.tree.leaves(ffn_L)[0].shape[0]
+  cfg = _Fetch(axis, n, L, grad_rows)
+  leaves, treedef = jax.tree.flatten(ffn_L, is_leaf=is_quantized)
+  out = []
+  for leaf in leaves:
+    if is_quantized(leaf):  # frozen: moved, never differentiated
+      leaf = stop_gradient(leaf)
+      out.append(jax.tree.map(lambda a: _gather_experts(cfg, a, phy2log_S), leaf))
+    else:
+      out.append(_fetch(cfg, leaf, phy2log_S))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _gather_experts(cfg, leaf_L, phy2log_S):
+  return gather_slots(leaf_L, phy2log_S // cfg.local, phy2log_S % cfg.local, axis=cfg.axis, n=cfg.n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fetch(cfg, leaf_L, phy2log_S):
+  return _gather_experts(cfg, leaf_L, phy2log_S)
+
+
+def _fetch_fwd(cfg, leaf_L, phy2log_S):
+  return _gather_experts(cfg, leaf_L, phy2log_S), phy2log_S
+
+
+def _fetch_bwd(cfg, phy2log_S, d_slots):
+  """Each slot's gradient goes back to its expert's owner, which sums them per expert.
+
+  The owner receives into G rows: row l the gradient of its expert l's first slot (every
+  expert has one), rows L.. those of its experts' other slots, in slot order; each of the
+  G - L extra rows is then added into its expert's row (one slice each: a scatter-add of
+  whole matrices is a loop over them on TPU, each pass over the whole result)."""
+  n, L, G = cfg.n, cfg.local, cfg.grad_rows
+  S = phy2log_S.shape[0]
+  Ls = S // n
+  me = jax.lax.axis_index(cfg.axis)
+  owner_S = phy2log_S // L
+  earlier = jnp.arange(S)[None, :] < jnp.arange(S)[:, None]  # [s, s'] s' < s
+  first_S = ~jnp.any(earlier & (phy2log_S[None, :] == phy2log_S[:, None]), axis=1)
+  extra_rank_S = jnp.sum(earlier & (owner_S[None, :] == owner_S[:, None]) & ~first_S[None, :], 1)
+  at_S = jnp.where(first_S, phy2log_S % L, L + extra_rank_S).astype(jnp.int32)
+  mine = jax.lax.dynamic_slice_in_dim(owner_S, me * Ls, Ls)  # owners of this device's slots
+  send_NJ = (mine[None, :] == jnp.arange(n)[:, None]).astype(jnp.int32)
+  at_J = jax.lax.dynamic_slice_in_dim(at_S, me * Ls, Ls)
+  recv_NJ = (owner_S.reshape(n, Ls) == me).astype(jnp.int32)
+  # Each device sends each slot's gradient to the owner of the slot's expert.
+  buf = ragged_exchange(
+    d_slots,
+    jnp.zeros((G,) + d_slots.shape[1:], d_slots.dtype),
+    jnp.broadcast_to(jnp.arange(Ls, dtype=jnp.int32), (n, Ls)).reshape(-1),
+    send_NJ.reshape(-1),
+    jnp.broadcast_to(at_J, (n, Ls)).reshape(-1),
+    recv_NJ.reshape(-1),
+    axis=cfg.axis,
+    rows_per_peer=Ls,
+  )
+  (extra_slots,) = jnp.nonzero((owner_S == me) & ~first_S, size=G - L, fill_value=0)
+  d_L = buf[:L]
+  for g in range(G - L):  # padding rows are zeros: adding them changes nothing
+    d_L = d_L.at[phy2log_S[extra_slots[g]] % L].add(buf[L + g])
+  return d_L, None
+
+
+_fetch.defvjp(_fetch_fwd, _fetch_bwd)
+
+
+def grad_rows_bound(placement, num_experts, n):
+  """The static bound `fetch_slots` needs: the most slots whose expert one device owns (at
+  least L: each expert has one); exact for a placement known while tracing, S - E + L for
+  a traced one."""
+  phy2log = placement.phy2log
+  S, L = placement.num_slots, num_experts // n
+  if placement_lib._concrete(phy2log):
+    return max(L, int(np.bincount(np.asarray(phy2log) // L, minlength=n).max()))
+  return S - num_experts + L
+
+
+def slot_inputs(lay, placement, ffn, experts_TK, *, slot_weights, grad_rows):
+  """A dispatch body's inputs over slots: (lay over S slots, the slots' FFN, slot ids, stats).
+
+  Args:
+    lay: the call's `_Layout` (experts over `lay.expert_axis`).
+    placement: `Placement` of traced or constant arrays, replicated.
+    ffn: this device's expert weights: L logical experts (`slot_weights` False: fetched
+      from their owners) or S / N slots (`slot_weights` True: used as they are).
+    experts_TK: i32[T, K] this device's logical expert ids.
+    slot_weights: whether `ffn` holds slots.
+    grad_rows: `grad_rows_bound` of the placement.
+
+  Returns:
+    (lay with num_experts = S, the FFN of this device's S / N slots, slots_TK: i32[T, K],
+    stats: expert_load i32[E] (logical, summed over the mesh) and slot_load i32[S]).
+  """
+  S, E, n = placement.num_slots, placement.num_experts, lay.n
+  chip = jax.lax.axis_index(lay.expert_axis)
+  # Every device of the expert axis learns what the others route to each expert, so that
+  # the replicas split each expert's load evenly (`choose_replicas`).
+  loads_NE = jax.lax.all_gather(expert_load(experts_TK, E), lay.expert_axis)
+  slots_TK = placement_lib.choose_replicas(
+    experts_TK, placement.log2phy, placement.logcnt, S // n, chip, loads_NE
+  )
+  if not slot_weights:
+    ffn = fetch_slots(ffn, placement.phy2log, axis=lay.expert_axis, n=n, grad_rows=grad_rows)
+  stats = dict(
+    expert_load=jax.lax.psum(expert_load(experts_TK, E), lay.all_axes),
+    slot_load=jax.lax.psum(expert_load(slots_TK, S), lay.all_axes),
+  )
+  return dataclasses.replace(lay, num_experts=S), ffn, slots_TK, stats
+
+
+def check_dispatch_placement(fn, placement, w, mesh, expert_axis, slot_weights):
+  """A dispatch's placement arguments checked at trace time: (placement, grad_rows).
+
+  `w` must hold the placement's E logical experts, or its S slots with `slot_weights`;
+  the slots must divide over the expert axis.
+  """
+  from moe_shard.experts import as_ffn
+  from moe_shard.sharding import axis_size
+
+  if placement is None:
+    if slot_weights:
+      raise ValueError(f"{fn}: slot_weights=True needs the placement of the slots (got None)")
+    return None, 0
+  _, leading = as_ffn(fn, w)
+  n = axis_size(mesh, expert_axis)
+  E = placement.num_experts
+  placement = placement_lib.check_placement(fn, placement, E, n)
+  want, what = (placement.num_slots, "S slots") if slot_weights else (E, "E experts")
+  if leading != want:
+    raise ValueError(
+      f"{fn}: w must hold the placement's {what} ({want}) on its first axis with "
+      f"slot_weights={slot_weights} (got {leading})"
+    )
+  _checks_divisible(fn, E, n, expert_axis)
+  return placement, 0 if slot_weights else grad_rows_bound(placement, E, n)
+
+
+def _checks_divisible(fn, E, n, expert_axis):
+  from moe_shard import _checks
+
+  _checks.divisible(fn, "num_experts", E, f"the {expert_axis!r} axis size", n)

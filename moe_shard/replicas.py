@@ -1,0 +1,193 @@
+"""Serving and planning from replicated experts: slot-major parameters, and a load recorder.
+
+`replicate_experts(params, placement, mesh=mesh)` turns logical parameters (the routed
+experts [E, ...], what training and checkpoints hold) into `ServedParams`: the experts
+slot-major [S, ...], slot s holding expert `placement.phy2log[s]`, split over the expert axis
+(S / N slots a device), the rest as it was. `moe_layer(served, x, cfg, placement=placement)`
+runs on them with no weight movement. Given slot-major parameters and the placement they
+were made for (`previous=`), it moves them to a new placement, sending only the slots whose
+expert changes, each from a device that holds it (its own first).
+
+`LoadWindow` keeps the expert loads of the last steps per layer (`aux["expert_load"]`), the
+load to plan a placement from (`plan_placement(window.load(), ...)`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
+
+from moe_shard import _checks
+from moe_shard.parallel.common import shard_map, split_specs
+from moe_shard.parallel.replicas import gather_slots
+from moe_shard.params import MoEParams
+from moe_shard.placement import Placement, check_placement
+from moe_shard.sharding import EXPERT, axis_size, place, resolve_mesh
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ServedParams(MoEParams):
+  """`MoEParams` whose routed experts are slot-major: [S, ...], slot s holding expert
+  `phy2log[s]` of the placement they were made for (`replicate_experts`)."""
+
+
+def replicate_experts(
+  params: MoEParams,
+  placement: Placement,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  previous: Placement | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
+) -> ServedParams:
+  """Returns the routed experts slot-major for `placement`, placed on the mesh.
+
+  Args:
+    params: `MoEParams` with the E logical experts, or `ServedParams` on the placement
+      `previous`.
+    placement: a one-layer `Placement` of the E experts over S slots (S divisible by the
+      expert axis size).
+    mesh: the mesh (default None: the mesh in scope; without one, on the default device).
+      The experts' weights are taken as split over its expert axis, as `init_moe_params`
+      places them, and the slots come back split the same way (S / N a device).
+    previous: with `ServedParams`, the placement they were made for (required then).
+    expert_axis, expert_tensor_axis, expert_fsdp_axis: the `MoEConfig` fields of the same
+      names (defaults "expert", None, None), as the layer splits the weights.
+
+  Returns:
+    `ServedParams`: `params` with experts [S, ...]. On a mesh, every slot of a device
+    comes from a device that holds its expert: a copy on the device itself where it can,
+    else one `ragged_all_to_all` (emulated on CPU) that sends just those slots.
+
+  Raises:
+    TypeError, ValueError: params of the wrong kind, a placement that does not match them
+      (E, or S for `previous`) or whose slots do not divide over the expert axis.
+  """
+  fn = "replicate_experts"
+  if not isinstance(params, MoEParams):
+    raise TypeError(f"{fn}: params must be a MoEParams (got {type(params).__name__})")
+  served = isinstance(params, ServedParams)
+  if served and previous is None:
+    raise ValueError(
+      f"{fn}: params are slot-major (ServedParams): pass the placement they were made for "
+      f"as previous="
+    )
+  if not isinstance(placement, Placement):
+    raise TypeError(f"{fn}: placement must be a Placement (got {type(placement).__name__})")
+  E = placement.num_experts
+  mesh = resolve_mesh(fn, mesh, expert_axis, required=False)
+  n = 1 if mesh is None else axis_size(mesh, expert_axis)
+  placement = check_placement(fn, placement, E, n)
+  first = jax.tree.leaves(params.experts)[0].shape[0]
+  if served:
+    previous = check_placement(fn, previous, E, n)
+    want, what = previous.num_slots, "the slots of previous"
+  else:
+    want, what = E, "the placement's experts"
+  if first != want:
+    raise ValueError(f"{fn}: params.experts must hold {what} ({want}) on axis 0 (got {first})")
+  src_dev, src_row = _sources(placement, previous, n, first // n)
+  if mesh is None:
+    index = jnp.asarray(src_dev * (first // n) + src_row)
+    experts = jax.tree.map(lambda a: a[index], params.experts)
+  else:
+    specs = split_specs(params.experts, expert_axis, expert_tensor_axis, expert_fsdp_axis)
+    experts = jax.tree.map(lambda a, s: place(a, mesh, s), params.experts, specs)
+    experts = _gather(mesh, expert_axis, n, specs, src_dev, src_row)(experts)
+  fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(MoEParams)}
+  return ServedParams(**dict(fields, experts=experts))
+
+
+def _sources(placement, previous, n, rows):
+  """(device, row) each new slot's weights come from: the expert's owner (logical
+  params), or, from slot-major ones, the old slot itself when it holds the same expert,
+  else one on the same device, else the first that holds it."""
+  new = np.asarray(placement.phy2log)
+  S = new.shape[0]
+  Ls = S // n
+  if previous is None:
+    return (new // rows).astype(np.int32), (new % rows).astype(np.int32)
+  old = np.asarray(previous.phy2log)
+  src = np.empty(S, np.int64)
+  for s, e in enumerate(new):
+    holders = np.flatnonzero(old == e)
+    here = holders[holders // rows == s // Ls]
+    if s < old.shape[0] and old[s] == e and s // rows == s // Ls:
+      src[s] = s
+    else:
+      src[s] = here[0] if here.size else holders[0]
+  return (src // rows).astype(np.int32), (src % rows).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _gather_cached(mesh, expert_axis, n, specs_leaves, treedef, src_dev, src_row):
+  specs = jax.tree.unflatten(treedef, list(specs_leaves))
+
+  def body(experts):
+    dev, row = jnp.asarray(np.array(src_dev, np.int32)), jnp.asarray(np.array(src_row, np.int32))
+    # Each device receives its slots' weights from the devices holding their experts.
+    return jax.tree.map(lambda a: gather_slots(a, dev, row, axis=expert_axis, n=n), experts)
+
+  return jax.jit(shard_map(body, mesh, in_specs=(specs,), out_specs=specs))
+
+
+def _gather(mesh, expert_axis, n, specs, src_dev, src_row):
+  leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+  return _gather_cached(
+    mesh, expert_axis, n, tuple(leaves), treedef, tuple(src_dev.tolist()), tuple(src_row.tolist())
+  )
+
+
+class LoadWindow:
+  """The expert loads of the last `window` steps, per layer: the load to plan from.
+
+  `record(aux["expert_load"])` after each step (an i32[E] of one layer or [L, E] of a
+  stack, device arrays kept as they are: nothing is copied to the host until `load()`);
+  `load()` sums the window, oldest steps dropped. vLLM counts the same way (a window of
+  1000 steps, re-planned every 3000).
+
+  Args:
+    num_experts: E.
+    num_layers: L, or None (default) for one layer.
+    window: steps kept (default 1000).
+  """
+
+  def __init__(self, num_experts: int, num_layers: int | None = None, window: int = 1000):
+    fn = "LoadWindow"
+    self.num_experts = _checks.int_field(fn, "num_experts", num_experts, 1)
+    self.num_layers = (
+      None if num_layers is None else _checks.int_field(fn, "num_layers", num_layers, 1)
+    )
+    self.window = _checks.int_field(fn, "window", window, 1)
+    self._steps: collections.deque = collections.deque(maxlen=self.window)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return (self.num_experts,) if self.num_layers is None else (self.num_layers, self.num_experts)
+
+  def record(self, expert_load: Any) -> None:
+    """Adds one step's load (i32[E], or [L, E] with layers)."""
+    shape = tuple(np.shape(expert_load))
+    if shape != self.shape:
+      raise ValueError(f"LoadWindow.record: expert_load must have shape {self.shape} (got {shape})")
+    self._steps.append(expert_load)
+
+  def __len__(self) -> int:
+    return len(self._steps)
+
+  def load(self) -> np.ndarray:
+    """int64[E] (or [L, E]): the loads of the steps in the window, summed (zeros if none)."""
+    total = np.zeros(self.shape, np.int64)
+    for step in self._steps:
+      total += np.asarray(step, np.int64)
+    return total
