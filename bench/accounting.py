@@ -369,7 +369,10 @@ def placed(fn, case, on_tpu, impl):
   if case.placement is None or impl in UNPLACED:
     return fn(case, on_tpu), chip_rows(case.experts_TK, case.E, case)
   phy2log = host_phy2log(case)
-  slots = replica_slots(case.experts_TK, phy2log, case.mesh.size, case.mesh.shape[EXPERT])
+  log2phy = getattr(case.placement, "log2phy", None)  # the step's plan: slots in order
+  slots = replica_slots(
+    case.experts_TK, phy2log, case.mesh.size, case.mesh.shape[EXPERT], log2phy=log2phy
+  )
   sub = dataclasses.replace(case, E=len(phy2log), experts_TK=slots)
   acc = fn(sub, on_tpu)
   if case.size.placement != "served":
@@ -388,10 +391,10 @@ def chip_rows(ids_TK, num_ids, case):
   return load.sum(axis=(0, 3)).T.reshape(-1)  # [e_dst, m] in device order e * M + m
 
 
-def replica_slots(experts_TK, phy2log, n_dev, N):
+def replica_slots(experts_TK, phy2log, n_dev, N, log2phy=None):
   """The slot of every item by the layer's documented rule. Device g holds the g-th block
   of tokens, at expert-axis position g // M of row g % M. In each row, replica x of expert
-  e (its slots in increasing order) takes the row's load of e divided by e's count, the
+  e (its slots in log2phy's order; without `log2phy`, in increasing order) takes the row's load of e divided by e's count, the
   first (load mod count) one more; each device's items for e (token-major) first fill its
   own replicas of e in order up to those shares, and the rest, device by device in
   position order, fill the remaining room in order. Invalid ids stay -1."""
@@ -407,6 +410,8 @@ def replica_slots(experts_TK, phy2log, n_dev, N):
     members = [p * M + m for p in range(N)]  # the row's devices, by position
     for e in range(int(phy2log.max()) + 1):
       slots = np.flatnonzero(phy2log == e)
+      if log2phy is not None:
+        slots = np.asarray(log2phy)[e][: slots.size]
       items = [np.flatnonzero(blocks[g] == e) for g in members]
       q, extra = divmod(sum(i.size for i in items), slots.size)
       room = q + (np.arange(slots.size) < extra)
@@ -436,17 +441,19 @@ def host_phy2log(case):
   N = case.mesh.shape[EXPERT]
   e = np.asarray(case.experts_TK).ravel()
   load = np.bincount(e[(e >= 0) & (e < case.E)], minlength=case.E).astype(np.float32)
-  return step_plan(load, N, p.spare_slots, p.rows_per_moved_expert)
+  M = case.mesh.size // N
+  return step_plan(load, N, p.spare_slots, p.rows_per_moved_expert, M)
 
 
-def step_plan(load, N, J, rows_per_moved):
+def step_plan(load, N, J, rows_per_moved, M=1):
   """phy2log of the per-step placement: J redundant slots after each device's L home
   experts; each in turn to a replica of the expert with the most load per replica on the
   busiest device, put on the least-loaded device with room that lacks it (else any expert
   that can move; else anywhere with room); used when the busiest device's load drops by
   more than `rows_per_moved` per expert on the busiest link (the most replicas one device
-  sends or receives), else each redundant slot holds its device's first expert. float32,
-  ties to the lowest index."""
+  sends or receives), the load of a position of the expert axis shared by its M devices,
+  else each redundant slot holds its device's first expert. float32, ties to the lowest
+  index."""
   E = load.shape[0]
   L = E // N
   holds = np.zeros((N, E), bool)
@@ -478,7 +485,7 @@ def step_plan(load, N, J, rows_per_moved):
   away = planned[:, L:] // L != np.arange(N)[:, None]
   sent = np.bincount((planned[:, L:] // L)[away], minlength=N)
   moved = max(int(away.sum(axis=1).max()), int(sent.max()))
-  if before - after > rows_per_moved * moved:
+  if (before - after) / M > rows_per_moved * moved:
     return planned.reshape(-1)
   home = np.arange(E).reshape(N, L)
   return np.concatenate([home, np.repeat(home[:, :1], J, axis=1)], axis=1).reshape(-1)

@@ -242,8 +242,7 @@ def choose_impl(
       device's rows, which set the ragged dispatch's rounds, but not the (source,
       destination) pairs that set all_to_all's: a device's own replicas take its items.
       So where XLA has ragged-all-to-all (TPU, GPU) "auto" takes "ragged_all_to_all" at
-      decode sizes too (Qwen3-30B-A3B at 64 tokens a chip under Zipf routing, compiled for
-      TPU v5e: 1 round against all_to_all's 4, `bench/results/tpu_v5e_2x4_skew_decode`).
+      decode sizes too (docs/guides/skew.md).
 
   Returns:
     `cfg.impl` unless it is "auto" (a name of `DISPATCHES`, or the user's function); for

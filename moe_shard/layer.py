@@ -208,7 +208,8 @@ def moe_layer(
   and x) and inside `lax.scan` over stacked params.
 
   Args:
-    params: `MoEParams` from `init_moe_params(key, cfg)`.
+    params: `MoEParams` from `init_moe_params(key, cfg)`, or, with a `Placement`, the
+      slot-major `ServedParams` that `replicate_experts(params, placement)` made for it.
     x_BSD: f[B, S, D] tokens, D = cfg.d_model; on the mesh or not.
     cfg: `MoEConfig`.
     mesh: a `jax.sharding.Mesh` (or, under `jax.jit` or `jax.eval_shape`, an
@@ -219,6 +220,11 @@ def moe_layer(
       "ragged_all_to_all" on TPU and GPU devices and "all_to_all" elsewhere
       (`choose_impl`). The local implementations ("masked_scan",
       "ragged_dot") do not split experts: XLA shards them as it likes.
+    placement: None (default), a one-layer `Placement` of the E experts over S slots
+      (replicated experts: each item goes to one replica of its expert, the outputs and
+      gradients are the layer's without one; logical params fetch the slots' weights
+      and sum their gradients back), or "step" / a `StepPlacement` (planned inside the
+      step from its own load, used where it pays). docs/guides/skew.md.
 
   Returns:
     (y_BSD, aux). y_BSD has the shape, dtype and sharding of x_BSD. aux is a dict:
@@ -233,7 +239,8 @@ def moe_layer(
       rounds: i32[] dispatch rounds: the dispatch's `stats["rounds"]` (the all_to_all's,
         >= 1), else 1 (one pass).
       dropped_items: i32[] (token, slot) items dropped by the capacity (0 when dropless),
-        plus any the dispatch reports dropping (`stats["dropped_items"]`).
+        plus any the dispatch reports dropping (`stats["dropped_items"]`), plus those of
+        experts a placement gives no slot (a placement passed traced is not checked).
       dropped_tokens: i32[] tokens that reach no routed expert: all of their K items dropped
         by the capacity, or under expert choice chosen by no expert (they get the shared
         experts' output only).
@@ -328,7 +335,7 @@ def moe_layer(
   if isinstance(placement, StepPlacement):
     if n > 1:
       with jax.named_scope("plan_step"):
-        placement, step_used = placement.plan(load_E, n)
+        placement, step_used = placement.plan(load_E, n, mesh.size // n)
     else:  # one device: nothing to spread over
       placement, step_used = None, jnp.zeros((), bool)
   dispatch_kwargs = {}
@@ -378,14 +385,17 @@ def moe_layer(
         shared_TD = shared_TD * gate_T[:, None]
       y_TD = y_TD + shared_TD
   y_BSD = unflatten_tokens(y_TD.astype(x_BSD.dtype), x_BSD, mesh)
+  dropped_items = jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0)
+  if placement is not None:  # an expert with no slot (a traced placement) computes nothing
+    unplaced_E = jnp.asarray(placement.logcnt) < 1
+    dropped_items = dropped_items + jnp.sum(jnp.where(unplaced_E, load_E, 0), dtype=jnp.int32)
   aux = dict(
     aux_loss=cfg.load_balance_coef * lb_loss + cfg.z_loss_coef * z_loss,
     load_balance_loss=lb_loss,
     z_loss=z_loss,
     expert_load=load_E,
     rounds=jnp.asarray(stats.get("rounds", 1), jnp.int32),
-    # Items the dispatch itself dropped (a capacity-limited dispatch) count too.
-    dropped_items=jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0),
+    dropped_items=dropped_items,
     dropped_tokens=jnp.sum(jnp.all((experts_TK < 0) | (experts_TK >= E), axis=1), dtype=jnp.int32),
     **device_load(load_E if placement is None else stats["slot_load"], n),
   )

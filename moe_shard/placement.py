@@ -132,10 +132,13 @@ class Placement:
 
 
 def _array_data(a):
-  """Whether `a` is concrete array data (NumPy, a concrete jax.Array, nested lists)."""
+  """Whether `a` is concrete array data (NumPy, a concrete jax.Array, nested lists, or
+  anything NumPy converts, such as the torch tensors EPLB returns)."""
   if isinstance(a, (np.ndarray, list, tuple)):
     return True
-  return isinstance(a, jax.Array) and _concrete(a)
+  if isinstance(a, jax.Array):
+    return _concrete(a)
+  return hasattr(a, "__array__")
 
 
 def _validate(placement):
@@ -495,6 +498,8 @@ def choose_replicas(
   """
   T, K = experts_TK.shape
   E, X = log2phy_EX.shape
+  # A placement's concrete arrays are NumPy: indexed below by traced ids.
+  log2phy_EX, logcnt_E = jnp.asarray(log2phy_EX), jnp.asarray(logcnt_E)
   ids = experts_TK.reshape(-1).astype(jnp.int32)
   valid = (ids >= 0) & (ids < E)
   key = jnp.where(valid, ids, E)
@@ -691,8 +696,13 @@ class StepPlacement:
     _checks.int_field("StepPlacement", "spare_slots", self.spare_slots, 1)
     _checks.int_field("StepPlacement", "rows_per_moved_expert", self.rows_per_moved_expert, 0)
 
-  def plan(self, load_E: Any, num_devices: int) -> tuple[Placement, jax.Array]:
-    """(the step's placement, bool[] whether it replicates anything) for a load [E]."""
+  def plan(
+    self, load_E: Any, num_devices: int, devices_per_position: int = 1
+  ) -> tuple[Placement, jax.Array]:
+    """(the step's placement, bool[] whether it replicates anything) for a load [E]
+    summed over the mesh, `num_devices` positions of the expert axis each spanning
+    `devices_per_position` devices (the other mesh axes: each computes its share of the
+    position's rows and fetches its own replicas' weights)."""
     E, N, J = load_E.shape[0], num_devices, self.spare_slots
     L = E // N
     planned = plan_on_device(load_E, N, J).phy2log.reshape(N, L + J)
@@ -706,7 +716,7 @@ class StepPlacement:
     received = jnp.sum(away, axis=1)
     sent = jnp.zeros((N,), jnp.int32).at[planned[:, L:] // L].add(away.astype(jnp.int32))
     moved = jnp.maximum(jnp.max(received), jnp.max(sent))
-    pays = before - after > self.rows_per_moved_expert * moved
+    pays = (before - after) / devices_per_position > self.rows_per_moved_expert * moved
     home = jnp.arange(E, dtype=jnp.int32).reshape(N, L)
     kept = jnp.concatenate([home, jnp.repeat(home[:, :1], J, axis=1)], axis=1)
     phy2log = jnp.where(pays, planned, kept).reshape(-1)

@@ -60,7 +60,8 @@ def replicate_experts(
     mesh: the mesh (default None: the mesh in scope; without one, on the default device).
       The experts' weights are taken as split over its expert axis, as `init_moe_params`
       places them, and the slots come back split the same way (S / N a device).
-    previous: with `ServedParams`, the placement they were made for (required then).
+    previous: with `ServedParams`, the placement they were made for (required then;
+      with logical `MoEParams`, an error).
     expert_axis, expert_tensor_axis, expert_fsdp_axis: the `MoEConfig` fields of the same
       names (defaults "expert", None, None), as the layer splits the weights.
 
@@ -70,8 +71,9 @@ def replicate_experts(
     else one `ragged_all_to_all` (emulated on CPU) that sends just those slots.
 
   Raises:
-    TypeError, ValueError: params of the wrong kind, a placement that does not match them
-      (E, or S for `previous`) or whose slots do not divide over the expert axis.
+    TypeError, ValueError: params of the wrong kind, `previous` missing for slot-major
+      params or given for logical ones, a placement that does not match them (E, or S for
+      `previous`) or whose slots do not divide over the expert axis.
   """
   fn = "replicate_experts"
   if not isinstance(params, MoEParams):
@@ -81,6 +83,11 @@ def replicate_experts(
     raise ValueError(
       f"{fn}: params are slot-major (ServedParams): pass the placement they were made for "
       f"as previous="
+    )
+  if not served and previous is not None:
+    raise ValueError(
+      f"{fn}: previous= names the placement slot-major params (ServedParams) were made "
+      f"for; params are logical (MoEParams): leave previous out"
     )
   if not isinstance(placement, Placement):
     raise TypeError(f"{fn}: placement must be a Placement (got {type(placement).__name__})")

@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import layer_oracle
 import numpy as np
 import pytest
 from cases import FAST_COMPILE, assert_close
@@ -84,12 +85,21 @@ CASES = {
     True,
     False,
   ),
-  "masked_scan-one_hot-logical-mesh": (
+  # A placement closed over holds NumPy arrays, which the local dispatches and all_gather
+  # index with traced ids.
+  "masked_scan-one_hot-logical-mesh-constant": (
     dict(impl="masked_scan"),
     ((2, 4), DE, EXPLICIT),
     "one_hot",
     False,
+    False,
+  ),
+  "all_gather-one_chip-served-constant": (
+    dict(impl="all_gather", gmm_impl="ragged_dot"),
+    ((2, 4), DE, EXPLICIT),
+    "one_chip",
     True,
+    False,
   ),
   # Each expert's F split over "data" (tensor parallel), or its matrices stored split there
   # (FSDP): the slots' shards move over the expert axis.
@@ -265,6 +275,10 @@ def test_step_plan_balances_zipf():
   after = np.bincount(np.asarray(slots).ravel(), minlength=E + 2 * N).reshape(N, -1).sum(1)
   assert after.sum() == before.sum()
   assert _balancedness(before) < 0.45 and _balancedness(after) > 0.85
+  # The same load over 64 devices a position (a data axis): each device saves 1/64 of the
+  # rows and still fetches its own replicas, so the plan does not pay.
+  _, pays = ms.StepPlacement(spare_slots=2).plan(load, N, 64)
+  assert not bool(pays)
   # A uniform routing does not pay for moving weights: nothing is replicated.
   flat = jnp.full((E,), N * T * K // E, jnp.int32)
   kept, pays = ms.StepPlacement().plan(flat, N)
@@ -318,11 +332,52 @@ def test_layer_placement_errors():
     ms.replicate_experts(served, p, mesh=mesh)
   with pytest.raises(ValueError, match=r"must hold the placement's 16 slots on axis 0 \(got 12\)"):
     ms.moe_layer(served, x, cfg, mesh, placement=ms.Placement.from_phy2log(np.arange(16) % 8, E))
+  with pytest.raises(ValueError, match="params are logical"):
+    ms.replicate_experts(params, p, mesh=mesh, previous=p)
+
+
+def test_traced_placement_without_a_slot_counts_the_dropped_items():
+  # A placement passed to jit is data, not checked: expert 3 given no slot (its row of
+  # log2phy all -1) drops its items, and aux["dropped_items"] counts them.
+  cfg = config(num_shared_experts=0, impl="all_to_all", gmm_impl="ragged_dot")
+  mesh = _mesh((2, 4), DE, EXPLICIT)
+  params = ms.init_moe_params(jax.random.key(0), cfg, mesh=mesh)
+  x = jax.random.normal(jax.random.key(1), (8, 2, cfg.d_model))
+  p = ms.Placement.from_phy2log(np.array(PLACEMENTS["one_hot"]), E)
+  phy2log = np.where(p.phy2log == 3, 0, p.phy2log).astype(np.int32)
+  log2phy, logcnt = p.log2phy.copy(), p.logcnt.copy()
+  log2phy[3], logcnt[3] = -1, 0
+  run = jax.jit(lambda p, x, placement: ms.moe_layer(p, x, cfg, mesh, placement=placement))
+  with jax.set_mesh(mesh):
+    _, aux = jax.jit(
+      lambda p, x, a, b, c: ms.moe_layer(p, x, cfg, mesh, placement=ms.Placement(a, b, c))
+    )(params, x, phy2log, log2phy, logcnt)
+    _, base = run(params, x, None)
+  assert int(aux["expert_load"][3]) > 0
+  assert int(aux["dropped_items"]) == int(aux["expert_load"][3])
+  assert int(base["dropped_items"]) == 0
+
+
+def test_placement_from_arrays_numpy_converts():
+  # EPLB returns torch tensors: anything with __array__ is converted and checked.
+  class Tensor:
+    def __init__(self, a):
+      self.a = np.asarray(a)
+
+    def __array__(self, dtype=None, copy=None):
+      return self.a if dtype is None else self.a.astype(dtype)
+
+  p = ms.Placement.from_phy2log(np.array(PLACEMENTS["one_chip"]), E)
+  q = ms.Placement(Tensor(p.phy2log), Tensor(p.log2phy.astype(np.int64)), Tensor(p.logcnt))
+  assert isinstance(q.log2phy, np.ndarray) and q.log2phy.dtype == np.int32
+  np.testing.assert_array_equal(q.log2phy, p.log2phy)
+  with pytest.raises(ValueError, match="every expert needs at least one slot"):
+    ms.Placement(Tensor(p.phy2log % 7), Tensor(p.log2phy), Tensor(p.logcnt))
 
 
 def test_quantized_experts_on_a_placement():
-  # int8 experts: the slots' values and scales fetched frozen; y and the trainable
-  # gradients (router, x) as without a placement.
+  # int8 experts: the slots' values and scales fetched frozen; y as the float64 model of
+  # the decoded matrices, the trainable gradients (router, x) as without a placement.
   mesh = _mesh((2, 4), DE, EXPLICIT)
   cfg = config(num_shared_experts=0, impl="ragged_all_to_all", gmm_impl="ragged_dot")
   params = ms.quantize_experts(ms.init_moe_params(jax.random.key(0), cfg, mesh=mesh), "int8")
@@ -339,8 +394,14 @@ def test_quantized_experts_on_a_placement():
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), compiler_options=FAST_COMPILE)
     want = grad(params.router_DE, x, None)
     got = grad(params.router_DE, x, p)
+    y, _ = jax.jit(lambda x: ms.moe_layer(params, x, cfg, mesh, placement=p))(x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert_close(g, w, jnp.float32)
+  # y against the float64 layer model of the decoded int8 matrices.
+  p64 = layer_oracle.to_f64(jax.device_get(ms.dequantize_experts(params)))
+  x64 = np.asarray(x, np.float64)
+  assert layer_oracle.routing_margin(x64.reshape(-1, cfg.d_model), p64.router_DE, cfg.top_k) > 1e-4
+  assert_close(y, layer_oracle.layer(p64, x64, cfg)[0], jnp.float32)
 
 
 def test_load_window_sums_the_last_steps():
