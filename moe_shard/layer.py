@@ -333,7 +333,7 @@ def moe_layer(
     )
   step_used = None
   if isinstance(placement, StepPlacement):
-    if n > 1:
+    if mesh is not None and n > 1:
       with jax.named_scope("plan_step"):
         placement, step_used = placement.plan(load_E, n, mesh.size // n)
     else:  # one device: nothing to spread over
