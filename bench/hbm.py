@@ -28,7 +28,8 @@ space `S(1)`); its "bytes accessed" counts such a copy as bytes read and written
 that then reads the copy as reading HBM again. At decode, where one weight matrix is the
 step's traffic, that counts the prefetched matrix up to three times. Each op's `vmem` is the
 part of its bytes that is VMEM's: what it writes to, or reads from, a value of memory space
-`S(1)`; the second count is XLA's executed bytes less every op's `vmem` times its runs.
+`S(1)` (an eviction, a copy out of VMEM, reads it there); the second count is XLA's
+executed bytes less every op's `vmem` times its runs.
 
     python -m bench --tpu v5e:2x4 --hbm-table 15 ...
 """
@@ -123,6 +124,11 @@ def op_bytes(compiled_or_text, trip_counts=None):
       if ins.opcode in ("copy-done", "slice-done"):  # the slice or copy: read, then written
         read = written = measure.shape_bytes(ins.type)
         vmem = written if _VMEM_RE.search(ins.type) else 0.0  # a prefetch into VMEM
+        # An eviction out of VMEM reads VMEM: its start's (destination, source, context)
+        # tuple holds the source's memory space second.
+        start = measure._split_top_level(types.get(ins.operands[0], "()")[1:-1])
+        if ins.opcode == "copy-done" and len(start) > 1 and _VMEM_RE.search(start[1]):
+          vmem += read
       elif declared and 'custom_call_target="tpu_custom_call"' in ins.attrs:
         written = measure.shape_bytes(ins.type)
         read = max(float(declared.group(1)) - written, 0.0)

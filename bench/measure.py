@@ -734,6 +734,58 @@ def collective_bytes(compiled, trip_counts=None, *, default_trip_count=None):
   return {k: {key: int(v) for key, v in t.items()} for k, t in total.items()}
 
 
+def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None):
+  """The most collectives one run of `compiled` issues one after another.
+
+  The longest chain of collectives through the program's data dependencies: a collective
+  waits for its operands, so two collectives on one chain cannot overlap, while
+  independent ones (a statistic's psum beside the exchange) can. Within a computation the
+  chain follows operands in the HLO text's order (operands first); a while loop adds its
+  body's chain once per iteration (its carry makes each iteration wait for the last), a
+  call, fusion or conditional its callee's (the longest branch's). The count a fixed
+  latency per collective multiplies (`bench.tpu.estimates`).
+
+  Args:
+    compiled: a `jax.stages.Compiled` (or its HLO text, or an `HloModule`).
+    trip_counts, default_trip_count: as in `executed_flops`, for loops.
+
+  Returns:
+    float: collectives on the longest chain (loop iterations may make it fractional where
+    a loop runs a different number of times per entry).
+  """
+  mod = _module(compiled)
+  runs = mod.executions(trip_counts, default_trip_count) if mod.loops else {mod.entry: 1.0}
+  home = _home_computations(mod)
+  memo = {}
+
+  def chain(comp):
+    if comp in memo:
+      return memo[comp]
+    memo[comp] = 0.0  # a guard: the call graph is a DAG
+    depth, longest = {}, 0.0
+    for ins in mod.comps.get(comp, ()):
+      before = max((depth.get(o, 0.0) for o in ins.operands), default=0.0)
+      if _collective_kind(ins.opcode):
+        own = 1.0
+      elif ins.opcode == "while":
+        body = re.search(r"\bbody=%?([\w.\-]+)", ins.attrs).group(1)
+        cond = re.search(r"\bcondition=%?([\w.\-]+)", ins.attrs).group(1)
+        entries = runs.get(comp, runs.get(home.get(comp, mod.entry), 1.0))
+        iterations = runs.get(body, 0.0) / entries if entries else 0.0
+        own = iterations * chain(body) + (iterations + 1) * chain(cond)
+      else:
+        callees = [c for key, c in _CALLED_RE.findall(ins.attrs) if key != "body"]
+        for group in _BRANCHES_RE.findall(ins.attrs):
+          callees += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
+        own = max((chain(c) for c in callees), default=0.0)
+      depth[ins.name] = before + own
+      longest = max(longest, depth[ins.name])
+    memo[comp] = longest
+    return longest
+
+  return chain(mod.entry)
+
+
 def _home_computations(mod):
   home = {}
   roots = [mod.entry] + [lp.body for lp in mod.loops]

@@ -188,6 +188,27 @@ def test_collective_in_loop_is_attributed_and_scaled(mesh8):
   }
 
 
+def test_dependent_collectives_follow_the_data(mesh8):
+  """Two all-to-alls in turn, then a loop of three: five collectives on the longest chain;
+  the psum beside them is on none of it (six collectives run in all, seven with it)."""
+
+  def body(a):
+    b = jax.lax.all_to_all(a, "x", 0, 0, tiled=True)
+    c = jax.lax.all_to_all(jnp.sin(b), "x", 0, 0, tiled=True)
+    s = jax.lax.psum(jnp.sum(jnp.cos(a)), "x")
+    with jax.named_scope("rounds"):
+      d = jax.lax.fori_loop(
+        0, 3, lambda i, v: jnp.sin(jax.lax.all_to_all(v, "x", 0, 0, tiled=True)), c
+      )
+    return d + s
+
+  c = _compile_shard_map(body, mesh8, (N * ROWS, COLS))
+  counts = measure.collective_bytes(c)
+  assert counts["all-to-all"]["count"] == 5 and counts["all-reduce"]["count"] == 1
+  assert measure.dependent_collectives(c) == 5
+  assert measure.dependent_collectives(c.as_text()) == 5
+
+
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize(
   "M, sizes",
@@ -507,3 +528,23 @@ ENTRY %main (x: bf16[8,256], w: s8[256,512]) -> bf16[8,512] {
   # The copy reads HBM and writes VMEM; the matmul reads x from HBM and w from VMEM.
   assert rows["copy-done"]["read"] == rows["copy-done"]["written"] == rows["copy-done"]["vmem"] == w
   assert rows["fusion"]["read"] == 8 * 256 * 2 + w and rows["fusion"]["vmem"] == w
+
+
+def test_an_eviction_out_of_vmem_reads_vmem():
+  from bench import hbm
+
+  # A value made in VMEM and copied out to HBM (for a later use): the copy writes HBM only.
+  text = """HloModule m
+
+ENTRY %main (x: bf16[8,256]) -> bf16[8,256] {
+  %x = bf16[8,256]{1,0} parameter(0)
+  %y = bf16[8,256]{1,0:S(1)} negate(%x)
+  %cs = (bf16[8,256]{1,0}, bf16[8,256]{1,0:S(1)}, u32[]) copy-start(%y)
+  ROOT %cd = bf16[8,256]{1,0} copy-done(%cs)
+}
+"""
+  rows = {r["opcode"]: r for r in hbm.op_bytes(text)}
+  b = 8 * 256 * 2
+  assert rows["copy-done"]["read"] == rows["copy-done"]["written"] == b
+  assert rows["copy-done"]["vmem"] == b  # its read, from VMEM
+  assert rows["negate"]["vmem"] == b  # its write, to VMEM
