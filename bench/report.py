@@ -84,7 +84,7 @@ def table(rows):
     head = head.replace("| level |", "| model | level |", 1)
   bounded = any("bound_s" in r for r in rows)
   if bounded:  # the time over the bound: the roofline's on TPU, the median elsewhere
-    over = "roofline/bound, less VMEM prefetches" if tpu else "time/bound"
+    over = "roofline/bound, less VMEM prefetches, + latency" if tpu else "time/bound"
     head = head.replace(" | eff. |", f" | bound ms ({over}) | eff. |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
@@ -155,14 +155,18 @@ def seconds_of(row):
 
 def _over(row, bound):
   """ "bound ms (time / bound)", or "-" without a bound; a TPU row's time is its roofline,
-  and the roofline less VMEM prefetches follows where the row has it."""
+  and the roofline less VMEM prefetches follows where the row has it, then that plus the
+  collectives' latency (`latency_s`)."""
   t = seconds_of(row)
   if bound is None:
     return "-"
   if t is None or bound <= 0:
     return _ms(bound)
   less = row.get("roofline_no_prefetch_s")
-  return f"{_ms(bound)} ({t / bound:.2f}" + (f", {less / bound:.2f})" if less else ")")
+  out = f"{_ms(bound)} ({t / bound:.2f}" + (f", {less / bound:.2f}" if less else "")
+  if less and row.get("latency_s") is not None:
+    out += f", {(less + row['latency_s']) / bound:.2f}"
+  return out + ")"
 
 
 def headline(rows):
@@ -405,6 +409,8 @@ CSV_FIELDS = (
   "hbm_bytes_accessed",
   "hbm_bytes_no_prefetch",
   "roofline_no_prefetch_s",
+  "dependent_collectives",
+  "latency_s",
   "bound_s",
   "bound_bytes",
   "bound_flops",

@@ -325,9 +325,15 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
       if tpu_topology:
         from bench import hbm
 
+        chain = _counted(measure.dependent_collectives, compiled, trips[0])
         row.update(
           tpu.estimates(
-            compiled, busiest, wire, tpu_topology, hbm.executed_bytes(compiled, busiest_trips)
+            compiled,
+            busiest,
+            wire,
+            tpu_topology,
+            hbm.executed_bytes(compiled, busiest_trips),
+            dependent=chain,
           )
         )
         if a.hbm_table:
