@@ -603,7 +603,9 @@ def test_errors():
 
 def test_tpu_program_has_ragged_all_to_all_and_no_emulation():
   """Compiled for v5e 2x4 (forward and gradient): the real primitive, and every all-to-all
-  left is of int32 offsets or counts, never of the padded data buffers."""
+  or all-gather left is of int32 offsets or counts, never of the padded data buffers; the
+  forward waits on three collectives in turn (the counts' all-gather, the exchange there
+  and back)."""
   pytest.importorskip("libtpu")
   from jax.sharding import NamedSharding
 
@@ -622,13 +624,17 @@ def test_tpu_program_has_ragged_all_to_all_and_no_emulation():
   def loss(x, w, e, g):
     return jnp.sum(ms.moe_ragged_all_to_all(x, w, e, g, mesh=m).astype(jnp.float32))
 
-  for program in (
-    lambda x, w, e, g: ms.moe_ragged_all_to_all(x, w, e, g, mesh=m),
-    jax.grad(loss, argnums=(0, 1, 3)),
+  for i, program in enumerate(
+    (
+      lambda x, w, e, g: ms.moe_ragged_all_to_all(x, w, e, g, mesh=m),
+      jax.grad(loss, argnums=(0, 1, 3)),
+    )
   ):
     text = jax.jit(program).lower(*args).compile().as_text()
     assert "ragged-all-to-all(" in text
-    all_to_alls = re.findall(r"= (\S+) all-to-all(?:-start)?\(", text)
-    assert all_to_alls and all(t.startswith(("s32[", "(s32[")) for t in all_to_alls), all_to_alls
+    small = re.findall(r"= (\S+) (?:all-to-all|all-gather)(?:-start)?\(", text)
+    assert small and all(t.startswith(("s32[", "(s32[")) for t in small), small
     coll = measure.collective_bytes(text, {"ragged_overflow_rounds": 1})
     assert coll["ragged-all-to-all"]["count"] >= 2
+    if i == 0:
+      assert measure.dependent_collectives(text, {"ragged_overflow_rounds": 0}) == 3
