@@ -756,6 +756,7 @@ def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None
   mod = _module(compiled)
   runs = mod.executions(trip_counts, default_trip_count) if mod.loops else {mod.entry: 1.0}
   home = _home_computations(mod)
+  loops = {lp.name: (lp.body, lp.condition) for lp in mod.loops}
   memo = {}
 
   def chain(comp):
@@ -768,8 +769,7 @@ def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None
       if _collective_kind(ins.opcode):
         own = 1.0
       elif ins.opcode == "while":
-        body = re.search(r"\bbody=%?([\w.\-]+)", ins.attrs).group(1)
-        cond = re.search(r"\bcondition=%?([\w.\-]+)", ins.attrs).group(1)
+        body, cond = loops[ins.name]
         entries = runs.get(comp, runs.get(home.get(comp, mod.entry), 1.0))
         iterations = runs.get(body, 0.0) / entries if entries else 0.0
         own = iterations * chain(body) + (iterations + 1) * chain(cond)

@@ -116,8 +116,8 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None, dependent=N
       out["hbm_bytes_no_prefetch"] = hbm_bytes["no_prefetch"]
       hbm_s = hbm_bytes["no_prefetch"] / peak["hbm"]
       out["roofline_no_prefetch_s"] = max(out["compute_s"], hbm_s, out["ici_s"])
-  latency = collective_latency_s(topology) if dependent is not None else None
-  if latency is not None:
+  latency = collective_latency_s(topology)
+  if dependent is not None and latency is not None:
     out["dependent_collectives"] = dependent
     out["latency_s"] = dependent * latency
   return out

@@ -92,7 +92,6 @@ def collective_latency_s(devices) -> float | None:
   coordinates; None where their kind is not in `CHIPS` or they have no coordinates."""
   devices = list(devices)
   c = chip(getattr(devices[0], "device_kind", None)) if devices else None
-  coords = [getattr(d, "coords", None) for d in devices]
-  if c is None or any(x is None for x in coords):
+  if c is None or not all(hasattr(d, "coords") for d in devices):
     return None
-  return ICI_HOP_S * hops(coords, c.wraps)
+  return ICI_HOP_S * hops([d.coords for d in devices], c.wraps)
