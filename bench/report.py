@@ -84,7 +84,9 @@ def table(rows):
     head = head.replace("| level |", "| model | level |", 1)
   bounded = any("bound_s" in r for r in rows)
   if bounded:  # the time over the bound: the roofline's on TPU, the median elsewhere
-    over = "roofline/bound, less VMEM prefetches, + latency" if tpu else "time/bound"
+    over = (
+      "roofline/bound, less VMEM prefetches, + latency; visited groups" if tpu else "time/bound"
+    )
     head = head.replace(" | eff. |", f" | bound ms ({over}) | eff. |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
@@ -156,7 +158,8 @@ def seconds_of(row):
 def _over(row, bound):
   """ "bound ms (time / bound)", or "-" without a bound; a TPU row's time is its roofline,
   and the roofline less VMEM prefetches follows where the row has it, then that plus the
-  collectives' latency (`latency_s`)."""
+  collectives' latency (`latency_s`), and after a semicolon that with the grouped matmuls'
+  weights counted for the groups their grids visit (`roofline_expected_s`)."""
   t = seconds_of(row)
   if bound is None:
     return "-"
@@ -164,8 +167,11 @@ def _over(row, bound):
     return _ms(bound)
   less = row.get("roofline_no_prefetch_s")
   out = f"{_ms(bound)} ({t / bound:.2f}" + (f", {less / bound:.2f}" if less else "")
-  if less and row.get("latency_s") is not None:
-    out += f", {(less + row['latency_s']) / bound:.2f}"
+  latency = row.get("latency_s")
+  if less and latency is not None:
+    out += f", {(less + latency) / bound:.2f}"
+    if row.get("roofline_expected_s") is not None:
+      out += f"; {(row['roofline_expected_s'] + latency) / bound:.2f}"
   return out + ")"
 
 
@@ -411,6 +417,8 @@ CSV_FIELDS = (
   "roofline_no_prefetch_s",
   "dependent_collectives",
   "latency_s",
+  "hbm_bytes_expected",
+  "roofline_expected_s",
   "bound_s",
   "bound_bytes",
   "bound_flops",

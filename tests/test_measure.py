@@ -548,3 +548,29 @@ ENTRY %main (x: bf16[8,256]) -> bf16[8,256] {
   assert rows["copy-done"]["read"] == rows["copy-done"]["written"] == b
   assert rows["copy-done"]["vmem"] == b  # its read, from VMEM
   assert rows["negate"]["vmem"] == b  # its write, to VMEM
+
+
+def test_grouped_kernels_are_told_by_their_grid_metadata():
+  from bench import hbm
+
+  # A grouped matmul's Pallas call: grid steps, 4 + 1 group offsets, group and row-tile ids,
+  # then x and an int8 matrix per group with its scales; and another Pallas call.
+  cost = '"cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"%d"}'
+  text = f"""HloModule m
+
+ENTRY %main (n: s32[], o: s32[5], g: s32[6], t: s32[6], x: bf16[64,128], v: s8[4,128,256], s: f32[4,1,256]) -> bf16[64,256] {{
+  %n = s32[] parameter(0)
+  %o = s32[5]{{0}} parameter(1)
+  %g = s32[6]{{0}} parameter(2)
+  %t = s32[6]{{0}} parameter(3)
+  %x = bf16[64,128]{{1,0}} parameter(4)
+  %v = s8[4,128,256]{{2,1,0}} parameter(5)
+  %s = f32[4,1,256]{{2,1,0}} parameter(6)
+  %k = bf16[64,128]{{1,0}} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={{{cost % 99}}}
+  ROOT %y = bf16[64,256]{{1,0}} custom-call(%n, %o, %g, %t, %k, %v, %s), custom_call_target="tpu_custom_call", backend_config={{{cost % 200000}}}
+}}
+"""
+  (got,) = hbm.grouped_kernels(text)
+  assert got == dict(
+    name="y", groups=4, weight_bytes=4 * 128 * 256 + 4 * 256 * 4, declared=200000.0, runs=1.0
+  )
