@@ -83,6 +83,13 @@ _DTYPE_BYTES = {
   "c128": 16,
   "s4": 0.5,
   "u4": 0.5,
+  "f8e4m3fn": 1,
+  "f8e4m3fnuz": 1,
+  "f8e4m3b11fnuz": 1,
+  "f8e5m2": 1,
+  "f8e5m2fnuz": 1,
+  "f8e8m0fnu": 1,
+  "f4e2m1fn": 0.5,
 }
 _ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")

@@ -27,6 +27,8 @@ def test_shape_bytes():
   assert measure.shape_bytes("f32[8,4]{1,0}") == 128
   assert measure.shape_bytes("bf16[3,5]") == 30
   assert measure.shape_bytes("pred[]") == 1
+  assert measure.shape_bytes("f8e4m3fn[32,7168,2048]{2,1,0}") == 32 * 7168 * 2048
+  assert measure.shape_bytes("f4e2m1fn[4,8]") == 16
   assert measure.shape_bytes("(f32[2]{0}, s32[], /*index=2*/u8[4])") == 8 + 4 + 4
   assert measure.shape_bytes("token[]") == 0
 
