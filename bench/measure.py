@@ -741,6 +741,9 @@ def collective_bytes(compiled, trip_counts=None, *, default_trip_count=None):
   return {k: {key: int(v) for key, v in t.items()} for k, t in total.items()}
 
 
+_NO_CHAIN = (0.0, frozenset())
+
+
 def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None):
   """The most collectives one run of `compiled` issues one after another.
 
@@ -749,8 +752,10 @@ def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None
   independent ones (a statistic's psum beside the exchange) can. Within a computation the
   chain follows operands in the HLO text's order (operands first); a while loop adds its
   body's chain once per iteration (its carry makes each iteration wait for the last), a
-  call, fusion or conditional its callee's (the longest branch's). The count a fixed
-  latency per collective multiplies (`bench.tpu.estimates`).
+  call, fusion or conditional its callee's (the longest branch's). One collective that
+  XLA splits into pieces (an async collective fused with the compute it overlaps: a start,
+  continuations and a done, each holding the collective, with one `channel_id` and
+  `chain_id`) counts once. The count a fixed latency per collective multiplies (`bench.tpu.estimates`).
 
   Args:
     compiled: a `jax.stages.Compiled` (or its HLO text, or an `HloModule`).
@@ -767,30 +772,46 @@ def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None
   memo = {}
 
   def chain(comp):
+    """(collectives on the longest chain of one run of comp, the split ones on it)."""
     if comp in memo:
       return memo[comp]
-    memo[comp] = 0.0  # a guard: the call graph is a DAG
-    depth, longest = {}, 0.0
+    memo[comp] = _NO_CHAIN  # a guard: the call graph is a DAG
+    depth, longest = {}, _NO_CHAIN
     for ins in mod.comps.get(comp, ()):
-      before = max((depth.get(o, 0.0) for o in ins.operands), default=0.0)
+      # What ins adds to a chain: `own` collectives, less the `pieces` already on it.
+      own, pieces = 0.0, frozenset()
       if _collective_kind(ins.opcode):
-        own = 1.0
+        own, piece = 1.0, re.search(r'chain_id="?(\w+)', ins.attrs)
+        if piece:  # a piece of a split collective
+          channel = re.search(r"\bchannel_id=(\d+)", ins.attrs)
+          pieces = frozenset(
+            {(channel and channel.group(1), piece.group(1), ins.type.split("{")[0])}
+          )
       elif ins.opcode == "while":
         body, cond = loops[ins.name]
         entries = runs.get(comp, runs.get(home.get(comp, mod.entry), 1.0))
         iterations = runs.get(body, 0.0) / entries if entries else 0.0
-        own = iterations * chain(body) + (iterations + 1) * chain(cond)
+        own = iterations * chain(body)[0] + (iterations + 1) * chain(cond)[0]
       else:
         callees = [c for key, c in _CALLED_RE.findall(ins.attrs) if key != "body"]
         for group in _BRANCHES_RE.findall(ins.attrs):
           callees += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
-        own = max((chain(c) for c in callees), default=0.0)
-      depth[ins.name] = before + own
-      longest = max(longest, depth[ins.name])
+        own, pieces = max((chain(c) for c in callees), key=lambda d: d[0], default=_NO_CHAIN)
+      # The longest chain through ins, over its operands'.
+      best = _NO_CHAIN
+      for count, seen in [depth.get(o, _NO_CHAIN) for o in ins.operands] or [_NO_CHAIN]:
+        n = count + own - len(pieces & seen)
+        if n > best[0]:
+          best = (n, seen | pieces)
+        elif n == best[0]:
+          best = (n, best[1] | seen | pieces)
+      depth[ins.name] = best
+      if best[0] > longest[0]:
+        longest = best
     memo[comp] = longest
     return longest
 
-  return chain(mod.entry)
+  return chain(mod.entry)[0]
 
 
 def _home_computations(mod):

@@ -211,6 +211,68 @@ def test_dependent_collectives_follow_the_data(mesh8):
   assert measure.dependent_collectives(c.as_text()) == 5
 
 
+# XLA:TPU splits an async collective it overlaps with compute into fusions: a start, a
+# continuation and a done, each holding the collective with one channel_id and chain_id.
+_PIECE = """
+%{name} (p.{name}: s32[2,8]) -> s32[2,64] {{
+  %p.{name} = s32[2,8]{{1,0}} parameter(0)
+  ROOT %ag.{name} = s32[2,64]{{1,0:T(8,128){space}}} all-gather(%p.{name}), channel_id={channel}, \
+replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{1}}, frontend_attributes={{chain_id="{chain}"}}
+}}
+"""
+
+
+def _split_collective_hlo(second):
+  """A start, continuation and done of one all-gather, then `second` on its result."""
+  pieces = "".join(
+    _PIECE.format(name=n, space=sp, channel=8, chain=0)
+    for n, sp in (("start", ""), ("cont", "S(1)"), ("done", "S(1)"))
+  )
+  return (
+    pieces
+    + """
+ENTRY %main (x: s32[2,8]) -> s32[2,64] {
+  %x = s32[2,8]{1,0} parameter(0)
+  %start = s32[2,64]{1,0} fusion(%x), kind=kCustom, calls=%start
+  %s = s32[2,8]{1,0} slice(%start), slice={[0:2], [0:8]}
+  %cont = s32[2,64]{1,0} fusion(%s), kind=kCustom, calls=%cont
+  %c = s32[2,8]{1,0} slice(%cont), slice={[0:2], [0:8]}
+  %done = s32[2,64]{1,0} fusion(%c), kind=kCustom, calls=%done
+"""
+    + second
+    + "\n}\n"
+  )
+
+
+def test_dependent_collectives_count_a_split_collective_once():
+  """The pieces of one split collective are one collective on the chain; a second all-gather
+  on the same channel and chain id but a different shape, or an all-to-all, is another."""
+  alone = "  ROOT %y = s32[2,64]{1,0} negate(%done)"
+  assert measure.dependent_collectives(_split_collective_hlo(alone)) == 1
+  then_a2a = (
+    "  %d = s32[2,64]{1,0} negate(%done)\n"
+    "  ROOT %y = s32[2,64]{1,0} all-to-all(%d), channel_id=9, "
+    "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={1}"
+  )
+  assert measure.dependent_collectives(_split_collective_hlo(then_a2a)) == 2
+  # Another split collective after the first (its pieces share channel 8 and chain 0 but
+  # gather another shape) waits on it: two in turn.
+  other = _PIECE.format(name="again", space="", channel=8, chain=0).replace(
+    "s32[2,64]", "s32[2,128]"
+  )
+  text = _split_collective_hlo(
+    "  %d = s32[2,8]{1,0} slice(%done), slice={[0:2], [0:8]}\n"
+    "  ROOT %y = s32[2,128]{1,0} fusion(%d), kind=kCustom, calls=%again"
+  )
+  assert measure.dependent_collectives(other + text) == 2
+  # Two independent split collectives beside each other: one on the longest chain.
+  beside = (
+    "  %b = s32[2,128]{1,0} fusion(%x), kind=kCustom, calls=%again\n"
+    "  ROOT %y = (s32[2,64]{1,0}, s32[2,128]{1,0}) tuple(%done, %b)"
+  )
+  assert measure.dependent_collectives(other + _split_collective_hlo(beside)) == 1
+
+
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize(
   "M, sizes",
