@@ -129,9 +129,10 @@ DISPATCHES: dict[str, Dispatch] = {
 # the layer is bound by reading the experts' weights there, and a collective's fixed latency
 # weighs as much as its bytes.
 DECODE_TOKENS = 64
-# On chips without published figures (`chips.CHIPS`: GPUs, other TPUs), "auto" keeps
-# "all_to_all" at decode sizes only while its receive buffer holds at most this many rows
-# per local expert per byte of a weight element: its matmuls cost 2 FLOPs per row and
+# Where decode sizes are not priced (one expert per device; chips without published
+# figures, `chips.CHIPS`: GPUs, other TPUs), "auto" keeps "all_to_all" at decode sizes only
+# while its receive buffer holds at most this many rows per local expert per byte of a
+# weight element: its matmuls cost 2 FLOPs per row and
 # weight, the read of the weights their bytes, and this is about half the FLOPs per HBM
 # byte where TPU v5e (240) and an H100 (295) turn compute-bound, so the buffer's padded rows
 # cost no time. Past it (one int8 expert per chip at 64 tokens: 256 rows for 128 routed,
