@@ -25,8 +25,14 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
   --tpu only: roofline = max(compute, HBM, ICI) per device, from executed FLOPs, HBM bytes
     and bytes sent over the chip's peaks; HBM GB: XLA's "bytes accessed" as XLA counts it
     (loop bodies once) / with loop bodies times their trip counts (`bench/hbm.py`), the
-    second being the one the roofline uses.
-  bound ms (roofline/bound or time/bound): `bench/bound.py`, per device, the larger of the
+    second being the one the roofline uses. The collectives' latency (`latency_s`): the
+    longest chain of collectives that wait on each other (`dependent_collectives`) times a
+    published fixed cost per collective (1 us per ICI hop between the slice's farthest
+    chips, `moe_shard.chips`), which the rooflines leave out.
+  bound ms (roofline/bound, the roofline less VMEM prefetches over it, that plus the
+    latency over it; then, after a semicolon, that with the grouped matmuls' weights
+    counted for the groups their grids visit, which XLA counts in full
+    (`roofline_expected_s`); or time/bound): `bench/bound.py`, per device, the larger of the
     bytes read and written at the least (the parameters as stored, the routed experts' only
     for those the routing is expected to touch, and the activations) over HBM bandwidth and
     the routed FLOPs over peak, where the chip's peaks are cited (TPU); rows elsewhere carry

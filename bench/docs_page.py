@@ -96,6 +96,9 @@ SECTIONS = {
   "tpu_v5e_2x4_decode_dispatches": (
     "Decode: ragged_all_to_all against all_to_all for the four models, TPU v5e 2x4"
   ),
+  "tpu_v6e_2x4_decode_dispatches": (
+    "Decode: ragged_all_to_all against all_to_all for the four models, TPU v6e 2x4"
+  ),
 }
 
 # What a reader needs to know about a file beyond its rows.

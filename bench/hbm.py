@@ -28,7 +28,8 @@ space `S(1)`); its "bytes accessed" counts such a copy as bytes read and written
 that then reads the copy as reading HBM again. At decode, where one weight matrix is the
 step's traffic, that counts the prefetched matrix up to three times. Each op's `vmem` is the
 part of its bytes that is VMEM's: what it writes to, or reads from, a value of memory space
-`S(1)`; the second count is XLA's executed bytes less every op's `vmem` times its runs.
+`S(1)` (an eviction, a copy out of VMEM, reads it there); the second count is XLA's
+executed bytes less every op's `vmem` times its runs.
 
     python -m bench --tpu v5e:2x4 --hbm-table 15 ...
 """
@@ -123,6 +124,11 @@ def op_bytes(compiled_or_text, trip_counts=None):
       if ins.opcode in ("copy-done", "slice-done"):  # the slice or copy: read, then written
         read = written = measure.shape_bytes(ins.type)
         vmem = written if _VMEM_RE.search(ins.type) else 0.0  # a prefetch into VMEM
+        # An eviction out of VMEM reads VMEM: its start's (destination, source, context)
+        # tuple holds the source's memory space second.
+        start = measure._split_top_level(types.get(ins.operands[0], "()")[1:-1])
+        if ins.opcode == "copy-done" and len(start) > 1 and _VMEM_RE.search(start[1]):
+          vmem += read
       elif declared and 'custom_call_target="tpu_custom_call"' in ins.attrs:
         written = measure.shape_bytes(ins.type)
         read = max(float(declared.group(1)) - written, 0.0)
@@ -146,6 +152,53 @@ def op_bytes(compiled_or_text, trip_counts=None):
         )
       )
   return sorted(rows, key=lambda r: -r["total"])
+
+
+def grouped_kernels(compiled_or_text, trip_counts=None):
+  """The grouped matmuls' Pallas calls of a program, with what their grids skip.
+
+  A grouped-matmul kernel (megablox's `gmm`, `kernels.tpu_quant`'s) takes its grid's
+  metadata first: the number of grid steps (s32[]) and the G + 1 group offsets
+  (s32[G + 1]); its matrices are the operands of rank 3 with G leading (w, or a quantized
+  matrix's values and scales). Its grid (`make_group_metadata(visit_empty_groups=False)`)
+  has no step for an empty group, so the pipeline never fetches that group's blocks; its
+  declared bytes (what XLA counts) hold every group's matrix once.
+
+  Returns:
+    [{"name", "groups" (G), "weight_bytes" (its matrices' bytes), "declared" (its declared
+    bytes), "runs"}], one per call.
+  """
+  mod = measure._module(compiled_or_text)
+  runs = mod.executions(trip_counts, default_trip_count=1)
+  out = []
+  for comp in _kernel_computations(mod):
+    instrs = mod.comps.get(comp, ())
+    types = {ins.name: ins.type for ins in instrs}
+    for ins in instrs:
+      declared = _DECLARED_RE.search(ins.attrs) if ins.opcode == "custom-call" else None
+      if not declared or 'custom_call_target="tpu_custom_call"' not in ins.attrs:
+        continue
+      shapes = [measure._dims(types.get(o, "")) for o in ins.operands]
+      kinds = [types.get(o, "")[:4] for o in ins.operands]
+      if len(shapes) < 3 or shapes[0] != [] or len(shapes[1]) != 1 or kinds[:2] != ["s32[", "s32["]:
+        continue
+      G = shapes[1][0] - 1
+      weights = [
+        measure.shape_bytes(types[o])
+        for o, dims in zip(ins.operands, shapes)
+        if len(dims) == 3 and dims[0] == G
+      ]
+      if G >= 1 and weights:
+        out.append(
+          dict(
+            name=ins.name,
+            groups=G,
+            weight_bytes=float(sum(weights)),
+            declared=float(declared.group(1)),
+            runs=runs.get(comp, 0.0),
+          )
+        )
+  return out
 
 
 def executed_bytes(compiled, trip_counts=None, rows=None):

@@ -83,6 +83,13 @@ _DTYPE_BYTES = {
   "c128": 16,
   "s4": 0.5,
   "u4": 0.5,
+  "f8e4m3fn": 1,
+  "f8e4m3fnuz": 1,
+  "f8e4m3b11fnuz": 1,
+  "f8e5m2": 1,
+  "f8e5m2fnuz": 1,
+  "f8e8m0fnu": 1,
+  "f4e2m1fn": 0.5,
 }
 _ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
@@ -732,6 +739,79 @@ def collective_bytes(compiled, trip_counts=None, *, default_trip_count=None):
       for key in t:
         t[key] += c[key] * n
   return {k: {key: int(v) for key, v in t.items()} for k, t in total.items()}
+
+
+_NO_CHAIN = (0.0, frozenset())
+
+
+def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None):
+  """The most collectives one run of `compiled` issues one after another.
+
+  The longest chain of collectives through the program's data dependencies: a collective
+  waits for its operands, so two collectives on one chain cannot overlap, while
+  independent ones (a statistic's psum beside the exchange) can. Within a computation the
+  chain follows operands in the HLO text's order (operands first); a while loop adds its
+  body's chain once per iteration (its carry makes each iteration wait for the last), a
+  call, fusion or conditional its callee's (the longest branch's). One collective that
+  XLA splits into pieces (an async collective fused with the compute it overlaps: a start,
+  continuations and a done, each holding the collective, with one `channel_id` and
+  `chain_id`) counts once. The count a fixed latency per collective multiplies (`bench.tpu.estimates`).
+
+  Args:
+    compiled: a `jax.stages.Compiled` (or its HLO text, or an `HloModule`).
+    trip_counts, default_trip_count: as in `executed_flops`, for loops.
+
+  Returns:
+    float: collectives on the longest chain (loop iterations may make it fractional where
+    a loop runs a different number of times per entry).
+  """
+  mod = _module(compiled)
+  runs = mod.executions(trip_counts, default_trip_count) if mod.loops else {mod.entry: 1.0}
+  home = _home_computations(mod)
+  loops = {lp.name: (lp.body, lp.condition) for lp in mod.loops}
+  memo = {}
+
+  def chain(comp):
+    """(collectives on the longest chain of one run of comp, the split ones on it)."""
+    if comp in memo:
+      return memo[comp]
+    memo[comp] = _NO_CHAIN  # a guard: the call graph is a DAG
+    depth, longest = {}, _NO_CHAIN
+    for ins in mod.comps.get(comp, ()):
+      # What ins adds to a chain: `own` collectives, less the `pieces` already on it.
+      own, pieces = 0.0, frozenset()
+      if _collective_kind(ins.opcode):
+        own, piece = 1.0, re.search(r'chain_id="?(\w+)', ins.attrs)
+        if piece:  # a piece of a split collective
+          channel = re.search(r"\bchannel_id=(\d+)", ins.attrs)
+          pieces = frozenset(
+            {(channel and channel.group(1), piece.group(1), ins.type.split("{")[0])}
+          )
+      elif ins.opcode == "while":
+        body, cond = loops[ins.name]
+        entries = runs.get(comp, runs.get(home.get(comp, mod.entry), 1.0))
+        iterations = runs.get(body, 0.0) / entries if entries else 0.0
+        own = iterations * chain(body)[0] + (iterations + 1) * chain(cond)[0]
+      else:
+        callees = [c for key, c in _CALLED_RE.findall(ins.attrs) if key != "body"]
+        for group in _BRANCHES_RE.findall(ins.attrs):
+          callees += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
+        own, pieces = max((chain(c) for c in callees), key=lambda d: d[0], default=_NO_CHAIN)
+      # The longest chain through ins, over its operands'.
+      best = _NO_CHAIN
+      for count, seen in [depth.get(o, _NO_CHAIN) for o in ins.operands] or [_NO_CHAIN]:
+        n = count + own - len(pieces & seen)
+        if n > best[0]:
+          best = (n, seen | pieces)
+        elif n == best[0]:
+          best = (n, best[1] | seen | pieces)
+      depth[ins.name] = best
+      if best[0] > longest[0]:
+        longest = best
+    memo[comp] = longest
+    return longest
+
+  return chain(mod.entry)[0]
 
 
 def _home_computations(mod):

@@ -95,7 +95,9 @@ def table(rows):
     head = head.replace(" | rounds |", " | balance (busiest rows) | rounds |", 1)
   bounded = any("bound_s" in r for r in rows)
   if bounded:  # the time over the bound: the roofline's on TPU, the median elsewhere
-    over = "roofline/bound, less VMEM prefetches" if tpu else "time/bound"
+    over = (
+      "roofline/bound, less VMEM prefetches, + latency; visited groups" if tpu else "time/bound"
+    )
     head = head.replace(" | eff. |", f" | bound ms ({over}) | eff. |")
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
@@ -166,14 +168,22 @@ def seconds_of(row):
 
 def _over(row, bound):
   """ "bound ms (time / bound)", or "-" without a bound; a TPU row's time is its roofline,
-  and the roofline less VMEM prefetches follows where the row has it."""
+  and the roofline less VMEM prefetches follows where the row has it, then that plus the
+  collectives' latency (`latency_s`), and after a semicolon that with the grouped matmuls'
+  weights counted for the groups their grids visit (`roofline_expected_s`)."""
   t = seconds_of(row)
   if bound is None:
     return "-"
   if t is None or bound <= 0:
     return _ms(bound)
   less = row.get("roofline_no_prefetch_s")
-  return f"{_ms(bound)} ({t / bound:.2f}" + (f", {less / bound:.2f})" if less else ")")
+  out = f"{_ms(bound)} ({t / bound:.2f}" + (f", {less / bound:.2f}" if less else "")
+  latency = row.get("latency_s")
+  if less and latency is not None:
+    out += f", {(less + latency) / bound:.2f}"
+    if row.get("roofline_expected_s") is not None:
+      out += f"; {(row['roofline_expected_s'] + latency) / bound:.2f}"
+  return out + ")"
 
 
 def headline(rows):
@@ -421,6 +431,10 @@ CSV_FIELDS = (
   "hbm_bytes_accessed",
   "hbm_bytes_no_prefetch",
   "roofline_no_prefetch_s",
+  "dependent_collectives",
+  "latency_s",
+  "hbm_bytes_expected",
+  "roofline_expected_s",
   "bound_s",
   "bound_bytes",
   "bound_flops",

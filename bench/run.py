@@ -345,17 +345,50 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
       if tpu_topology:
         from bench import hbm
 
+        chain = _counted(measure.dependent_collectives, compiled, trips[0])
         row.update(
           tpu.estimates(
-            compiled, busiest, wire, tpu_topology, hbm.executed_bytes(compiled, busiest_trips)
+            compiled,
+            busiest,
+            wire,
+            tpu_topology,
+            hbm.executed_bytes(compiled, busiest_trips),
+            dependent=chain,
           )
         )
+        row.update(_expected(row, case, compiled, busiest_trips, tpu_topology))
         if a.hbm_table:
           row["hbm_table"] = hbm.table(compiled, busiest_trips, top=a.hbm_table)
         bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
       else:
         timed.append((compiled, args, row))
       case_rows.append(row)
+
+
+def _expected(row, case, compiled, trips, topology):
+  """The roofline less VMEM prefetches with the grouped-matmul kernels' weights counted for
+  the groups their grids visit (`hbm.grouped_kernels`): every local expert the host routing
+  sends a row to on the device that touches the most (`bound.touched_on_busiest`). XLA
+  counts every group's matrix, as each kernel declares; the grid never fetches an empty
+  group's. {} without the count less VMEM prefetches or a local-expert kernel."""
+  from bench import bound, hbm, tpu
+  from moe_shard import EXPERT
+
+  peak = tpu.PEAKS.get(tpu.generation(topology))
+  if "hbm_bytes_no_prefetch" not in row or peak is None or case.level != "layer":
+    return {}
+  L = case.E // case.mesh.shape[EXPERT]
+  visited = bound.touched_on_busiest(case.experts_TK, case.E, case.mesh.shape[EXPERT])
+  skipped = sum(
+    k["runs"] * k["weight_bytes"] * (1 - visited / L)
+    for k in hbm.grouped_kernels(compiled, trips)
+    if k["groups"] == L
+  )
+  expected = row["hbm_bytes_no_prefetch"] - skipped
+  return dict(
+    hbm_bytes_expected=expected,
+    roofline_expected_s=max(row["compute_s"], expected / peak["hbm"], row["ici_s"]),
+  )
 
 
 def param_bytes(params):

@@ -8,6 +8,8 @@ build the real TPU program. Nothing runs: every figure from it is an estimate.
 
 from __future__ import annotations
 
+import functools
+
 # Published per-chip peaks (bf16 FLOP/s, HBM bytes/s, ICI bytes/s sent per chip = half the
 # bidirectional figure). Sources: Cloud TPU system architecture pages,
 # https://cloud.google.com/tpu/docs/v5e ("Peak compute per chip (bf16) 197 TFLOPs",
@@ -51,7 +53,17 @@ def devices(topology):
   return list(topo.devices)
 
 
-def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None):
+@functools.cache
+def collective_latency_s(topology):
+  """The fixed cost of one collective over every chip of `topology`
+  (`moe_shard.chips.collective_latency_s`: 1 us per ICI hop, times the hops between the
+  slice's farthest chips: 4 us on a v5e or v6e 2x4); None for a chip it does not list."""
+  from moe_shard import chips
+
+  return chips.collective_latency_s(devices(topology))
+
+
+def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None, dependent=None):
   """XLA's TPU cost estimate and a roofline, per device, in seconds.
 
   Args:
@@ -61,6 +73,8 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None):
     topology: e.g. "v5e:2x4".
     hbm_bytes: `bench.hbm.executed_bytes(compiled, trip_counts)` of one device (default
       None: XLA's figure, loop bodies once).
+    dependent: `measure.dependent_collectives(compiled, trip_counts)` (default None: no
+      latency term).
 
   Returns:
     dict: xla_optimal_s (cost_analysis()["optimal_seconds"]; XLA visits each while body
@@ -72,6 +86,10 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None):
     hbm_bytes_xla is XLA's own figure (bodies once). With `hbm_bytes`, also
     hbm_bytes_no_prefetch (its "no_prefetch": less the bytes of values in VMEM, which
     XLA counts as HBM's; `bench.hbm`) and roofline_no_prefetch_s, the roofline with it.
+    With `dependent`, also dependent_collectives (that count) and latency_s: it times
+    `collective_latency_s(topology)`, the time the chain of collectives waits on the
+    interconnect whatever their bytes, which the rooflines above leave out (add it to
+    either: a collective's result is what the next step waits for).
   """
   from bench import measure
 
@@ -98,4 +116,8 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None):
       out["hbm_bytes_no_prefetch"] = hbm_bytes["no_prefetch"]
       hbm_s = hbm_bytes["no_prefetch"] / peak["hbm"]
       out["roofline_no_prefetch_s"] = max(out["compute_s"], hbm_s, out["ici_s"])
+  latency = collective_latency_s(topology)
+  if dependent is not None and latency is not None:
+    out["dependent_collectives"] = dependent
+    out["latency_s"] = dependent * latency
   return out

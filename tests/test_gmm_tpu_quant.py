@@ -123,6 +123,17 @@ def test_partial_last_row_tile(fmt):
     check(fmt, False, jnp.float32, sizes, tiling=TILINGS[fmt, False], rows=50)
 
 
+def test_the_grid_never_visits_an_empty_group():
+  """The kernel's grid steps and the w block each one fetches (its group, `group_ids`):
+  every row tile once, the empty groups' matrices never (`bench.hbm.grouped_kernels`
+  counts the weights the grid skips from this)."""
+  sizes = jnp.array([40, 0, 0, 24, 0, 64], jnp.int32)  # 128 rows, tm 32: 4 row tiles
+  (_, group_ids, m_tile_ids), steps = tpu_quant._visit_every_tile(sizes, 160, 32)
+  steps = int(steps)
+  assert sorted(set(np.asarray(group_ids)[:steps].tolist())) == [0, 3, 5]
+  assert sorted(set(np.asarray(m_tile_ids)[:steps].tolist())) == [0, 1, 2, 3, 4]  # 4 and a past one
+
+
 def test_bfloat16_result():
   check("int8", False, jnp.bfloat16, [20, 0, 30], out_dtype=jnp.bfloat16)
 

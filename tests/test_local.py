@@ -26,6 +26,7 @@ from cases import (
 )
 
 import moe_shard as ms
+from moe_shard import local
 
 # The same callables every time, so `outputs_and_grads` reuses its compiled functions.
 IMPLS = {
@@ -234,3 +235,22 @@ def test_linear_wrapper_equals_bare_array():
   np.testing.assert_array_equal(dx_lin, dx)
   assert isinstance(dw_lin, ms.Linear)
   np.testing.assert_array_equal(dw_lin.w_EDF, dw)
+
+
+@pytest.mark.parametrize("D", [4096, 4096 + 128, 7168, 9000])
+def test_move_rows_of_wide_rows_in_column_chunks(D):
+  """Rows wider than `local.ROW_CHUNK` move in column chunks: the same rows, forward and
+  backward (a permutation with a row dropped both ways)."""
+  assert local.ROW_CHUNK == 4096
+  rng = np.random.default_rng(D)
+  x_RD = jnp.asarray(rng.normal(size=(5, D)), jnp.float32)
+  to_R = jnp.array([3, 0, 5, 1, 2])  # row 2 goes nowhere (5 is out of [0, 4))
+  from_S = jnp.array([1, 3, 4, 0])
+  want = np.asarray(x_RD)[[1, 3, 4, 0]]
+  np.testing.assert_array_equal(local.move_rows(x_RD, to_R, from_S), want)
+  dy_SD = jnp.asarray(rng.normal(size=(4, D)), jnp.float32)
+  _, vjp = jax.vjp(lambda x: local.move_rows(x, to_R, from_S), x_RD)
+  (dx,) = vjp(dy_SD)
+  want_dx = np.zeros((5, D), np.float32)
+  want_dx[[1, 3, 4, 0]] = np.asarray(dy_SD)
+  np.testing.assert_array_equal(dx, want_dx)

@@ -27,6 +27,8 @@ def test_shape_bytes():
   assert measure.shape_bytes("f32[8,4]{1,0}") == 128
   assert measure.shape_bytes("bf16[3,5]") == 30
   assert measure.shape_bytes("pred[]") == 1
+  assert measure.shape_bytes("f8e4m3fn[32,7168,2048]{2,1,0}") == 32 * 7168 * 2048
+  assert measure.shape_bytes("f4e2m1fn[4,8]") == 16
   assert measure.shape_bytes("(f32[2]{0}, s32[], /*index=2*/u8[4])") == 8 + 4 + 4
   assert measure.shape_bytes("token[]") == 0
 
@@ -186,6 +188,89 @@ def test_collective_in_loop_is_attributed_and_scaled(mesh8):
     "result_bytes": 3 * LOCAL,
     "wire_bytes": 3 * (LOCAL * (N - 1) // N),
   }
+
+
+def test_dependent_collectives_follow_the_data(mesh8):
+  """Two all-to-alls in turn, then a loop of three: five collectives on the longest chain;
+  the psum beside them is on none of it (six collectives run in all, seven with it)."""
+
+  def body(a):
+    b = jax.lax.all_to_all(a, "x", 0, 0, tiled=True)
+    c = jax.lax.all_to_all(jnp.sin(b), "x", 0, 0, tiled=True)
+    s = jax.lax.psum(jnp.sum(jnp.cos(a)), "x")
+    with jax.named_scope("rounds"):
+      d = jax.lax.fori_loop(
+        0, 3, lambda i, v: jnp.sin(jax.lax.all_to_all(v, "x", 0, 0, tiled=True)), c
+      )
+    return d + s
+
+  c = _compile_shard_map(body, mesh8, (N * ROWS, COLS))
+  counts = measure.collective_bytes(c)
+  assert counts["all-to-all"]["count"] == 5 and counts["all-reduce"]["count"] == 1
+  assert measure.dependent_collectives(c) == 5
+  assert measure.dependent_collectives(c.as_text()) == 5
+
+
+# XLA:TPU splits an async collective it overlaps with compute into fusions: a start, a
+# continuation and a done, each holding the collective with one channel_id and chain_id.
+_PIECE = """
+%{name} (p.{name}: s32[2,8]) -> s32[2,64] {{
+  %p.{name} = s32[2,8]{{1,0}} parameter(0)
+  ROOT %ag.{name} = s32[2,64]{{1,0:T(8,128){space}}} all-gather(%p.{name}), channel_id={channel}, \
+replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{1}}, frontend_attributes={{chain_id="{chain}"}}
+}}
+"""
+
+
+def _split_collective_hlo(second):
+  """A start, continuation and done of one all-gather, then `second` on its result."""
+  pieces = "".join(
+    _PIECE.format(name=n, space=sp, channel=8, chain=0)
+    for n, sp in (("start", ""), ("cont", "S(1)"), ("done", "S(1)"))
+  )
+  return (
+    pieces
+    + """
+ENTRY %main (x: s32[2,8]) -> s32[2,64] {
+  %x = s32[2,8]{1,0} parameter(0)
+  %start = s32[2,64]{1,0} fusion(%x), kind=kCustom, calls=%start
+  %s = s32[2,8]{1,0} slice(%start), slice={[0:2], [0:8]}
+  %cont = s32[2,64]{1,0} fusion(%s), kind=kCustom, calls=%cont
+  %c = s32[2,8]{1,0} slice(%cont), slice={[0:2], [0:8]}
+  %done = s32[2,64]{1,0} fusion(%c), kind=kCustom, calls=%done
+"""
+    + second
+    + "\n}\n"
+  )
+
+
+def test_dependent_collectives_count_a_split_collective_once():
+  """The pieces of one split collective are one collective on the chain; a second all-gather
+  on the same channel and chain id but a different shape, or an all-to-all, is another."""
+  alone = "  ROOT %y = s32[2,64]{1,0} negate(%done)"
+  assert measure.dependent_collectives(_split_collective_hlo(alone)) == 1
+  then_a2a = (
+    "  %d = s32[2,64]{1,0} negate(%done)\n"
+    "  ROOT %y = s32[2,64]{1,0} all-to-all(%d), channel_id=9, "
+    "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={1}"
+  )
+  assert measure.dependent_collectives(_split_collective_hlo(then_a2a)) == 2
+  # Another split collective after the first (its pieces share channel 8 and chain 0 but
+  # gather another shape) waits on it: two in turn.
+  other = _PIECE.format(name="again", space="", channel=8, chain=0).replace(
+    "s32[2,64]", "s32[2,128]"
+  )
+  text = _split_collective_hlo(
+    "  %d = s32[2,8]{1,0} slice(%done), slice={[0:2], [0:8]}\n"
+    "  ROOT %y = s32[2,128]{1,0} fusion(%d), kind=kCustom, calls=%again"
+  )
+  assert measure.dependent_collectives(other + text) == 2
+  # Two independent split collectives beside each other: one on the longest chain.
+  beside = (
+    "  %b = s32[2,128]{1,0} fusion(%x), kind=kCustom, calls=%again\n"
+    "  ROOT %y = (s32[2,64]{1,0}, s32[2,128]{1,0}) tuple(%done, %b)"
+  )
+  assert measure.dependent_collectives(other + _split_collective_hlo(beside)) == 1
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
@@ -507,3 +592,49 @@ ENTRY %main (x: bf16[8,256], w: s8[256,512]) -> bf16[8,512] {
   # The copy reads HBM and writes VMEM; the matmul reads x from HBM and w from VMEM.
   assert rows["copy-done"]["read"] == rows["copy-done"]["written"] == rows["copy-done"]["vmem"] == w
   assert rows["fusion"]["read"] == 8 * 256 * 2 + w and rows["fusion"]["vmem"] == w
+
+
+def test_an_eviction_out_of_vmem_reads_vmem():
+  from bench import hbm
+
+  # A value made in VMEM and copied out to HBM (for a later use): the copy writes HBM only.
+  text = """HloModule m
+
+ENTRY %main (x: bf16[8,256]) -> bf16[8,256] {
+  %x = bf16[8,256]{1,0} parameter(0)
+  %y = bf16[8,256]{1,0:S(1)} negate(%x)
+  %cs = (bf16[8,256]{1,0}, bf16[8,256]{1,0:S(1)}, u32[]) copy-start(%y)
+  ROOT %cd = bf16[8,256]{1,0} copy-done(%cs)
+}
+"""
+  rows = {r["opcode"]: r for r in hbm.op_bytes(text)}
+  b = 8 * 256 * 2
+  assert rows["copy-done"]["read"] == rows["copy-done"]["written"] == b
+  assert rows["copy-done"]["vmem"] == b  # its read, from VMEM
+  assert rows["negate"]["vmem"] == b  # its write, to VMEM
+
+
+def test_grouped_kernels_are_told_by_their_grid_metadata():
+  from bench import hbm
+
+  # A grouped matmul's Pallas call: grid steps, 4 + 1 group offsets, group and row-tile ids,
+  # then x and an int8 matrix per group with its scales; and another Pallas call.
+  cost = '"cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"%d"}'
+  text = f"""HloModule m
+
+ENTRY %main (n: s32[], o: s32[5], g: s32[6], t: s32[6], x: bf16[64,128], v: s8[4,128,256], s: f32[4,1,256]) -> bf16[64,256] {{
+  %n = s32[] parameter(0)
+  %o = s32[5]{{0}} parameter(1)
+  %g = s32[6]{{0}} parameter(2)
+  %t = s32[6]{{0}} parameter(3)
+  %x = bf16[64,128]{{1,0}} parameter(4)
+  %v = s8[4,128,256]{{2,1,0}} parameter(5)
+  %s = f32[4,1,256]{{2,1,0}} parameter(6)
+  %k = bf16[64,128]{{1,0}} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={{{cost % 99}}}
+  ROOT %y = bf16[64,256]{{1,0}} custom-call(%n, %o, %g, %t, %k, %v, %s), custom_call_target="tpu_custom_call", backend_config={{{cost % 200000}}}
+}}
+"""
+  (got,) = hbm.grouped_kernels(text)
+  assert got == dict(
+    name="y", groups=4, weight_bytes=4 * 128 * 256 + 4 * 256 * 4, declared=200000.0, runs=1.0
+  )

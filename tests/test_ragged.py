@@ -478,6 +478,57 @@ def test_auto_rule_at_decode_weighs_the_buffer_against_the_weights(rows, weight_
   assert auto_impl("cpu", 8, 64, rows_per_expert=rows, weight_bytes=weight_bytes) == "all_to_all"
 
 
+def test_auto_rule_takes_the_smaller_decode_estimate():
+  from moe_shard.dispatch import auto_impl
+
+  times = {"all_to_all": 1e-4, "ragged_all_to_all": 1e-4}
+  assert auto_impl("tpu", 8, 8, decode_times=times) == "all_to_all"  # a tie: fewer collectives
+  times["ragged_all_to_all"] = 1e-4 * (1 - 1e-9)
+  assert auto_impl("tpu", 8, 8, decode_times=times) == "ragged_all_to_all"
+  times = {"all_to_all": 1e-4, "ragged_all_to_all": 2e-4}
+  # Whatever the padded rows: the estimate holds their FLOPs.
+  got = auto_impl("tpu", 8, 64, rows_per_expert=1e6, weight_bytes=1, decode_times=times)
+  assert got == "all_to_all"
+  assert auto_impl("tpu", 8, 65, decode_times=times) == "ragged_all_to_all"  # not decode
+  assert auto_impl("cpu", 8, 8, decode_times={"all_to_all": 1.0, "ragged_all_to_all": 0.0}) == (
+    "all_to_all"  # no ragged collective on CPU
+  )
+
+
+@pytest.mark.parametrize("D, want", [(384, "all_to_all"), (512, "ragged_all_to_all")])
+def test_decode_rule_at_and_past_its_threshold(D, want):
+  """Qwen3-like routing (E=128, K=8) at 8 tokens per chip of a v5e 2x4: all_to_all sends and
+  receives 8 x 24 slots, the ragged dispatch sends its 64 items and receives 96 rows, so it
+  moves 224 rows fewer through `ROW_PASSES` passes and waits on one collective more (4 us:
+  four ICI hops). Both read the same weights and are HBM-bound (the rows' FLOPs are far
+  below the weights' bytes), so the ragged dispatch wins past 16 * 224 * D * 2 bytes =
+  4 us * 819 GB/s, D = 457."""
+  pytest.importorskip("libtpu")
+  from bench import tpu
+  from moe_shard.dispatch import ROW_PASSES, decode_estimates
+
+  assert ROW_PASSES == 16
+  devices = np.array(tpu.devices("v5e:2x4")).reshape(8, 1)
+  tpu_mesh = jax.sharding.Mesh(devices, (ms.EXPERT, ms.DATA))
+  cfg = ms.MoEConfig(d_model=D, d_ff=128, num_experts=128, top_k=8, param_dtype=jnp.bfloat16)
+  assert 8 * plan.default_chunks(8, 8, 8).first == 192
+  assert plan.default_capacity(8, 8, None, 8, 16).first == 96
+  t = decode_estimates(cfg, tpu_mesh, 8)
+  saved = 16 * (2 * 192 - 64 - 96) * D * 2 / 819e9
+  assert t["all_to_all"] - t["ragged_all_to_all"] == pytest.approx(saved - 4e-6, rel=1e-9)
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=8) == want
+  # Past DECODE_TOKENS tokens per device the rule is not priced: the ragged dispatch.
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=65) == "ragged_all_to_all"
+
+
+def test_decode_rule_is_priced_on_chips_with_published_figures_only():
+  cfg = ms.MoEConfig(d_model=512, d_ff=128, num_experts=128, top_k=8)
+  from moe_shard.dispatch import decode_estimates
+
+  assert decode_estimates(cfg, mesh("8x1-auto"), 8) is None  # CPU: no figures
+  assert ms.choose_impl(cfg, mesh("8x1-auto"), tokens=8) == "all_to_all"
+
+
 def test_choose_impl_takes_tokens_per_device():
   cfg = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2)
   assert ms.choose_impl(cfg, mesh("8x1-auto"), tokens=8) == "all_to_all"
@@ -607,7 +658,9 @@ def test_errors():
 
 def test_tpu_program_has_ragged_all_to_all_and_no_emulation():
   """Compiled for v5e 2x4 (forward and gradient): the real primitive, and every all-to-all
-  left is of int32 offsets or counts, never of the padded data buffers."""
+  or all-gather left is of int32 offsets or counts, never of the padded data buffers; the
+  forward waits on three collectives in turn (the counts' all-gather, the exchange there
+  and back)."""
   pytest.importorskip("libtpu")
   from jax.sharding import NamedSharding
 
@@ -626,13 +679,17 @@ def test_tpu_program_has_ragged_all_to_all_and_no_emulation():
   def loss(x, w, e, g):
     return jnp.sum(ms.moe_ragged_all_to_all(x, w, e, g, mesh=m).astype(jnp.float32))
 
-  for program in (
-    lambda x, w, e, g: ms.moe_ragged_all_to_all(x, w, e, g, mesh=m),
-    jax.grad(loss, argnums=(0, 1, 3)),
+  for i, program in enumerate(
+    (
+      lambda x, w, e, g: ms.moe_ragged_all_to_all(x, w, e, g, mesh=m),
+      jax.grad(loss, argnums=(0, 1, 3)),
+    )
   ):
     text = jax.jit(program).lower(*args).compile().as_text()
     assert "ragged-all-to-all(" in text
-    all_to_alls = re.findall(r"= (\S+) all-to-all(?:-start)?\(", text)
-    assert all_to_alls and all(t.startswith(("s32[", "(s32[")) for t in all_to_alls), all_to_alls
+    small = re.findall(r"= (\S+) (?:all-to-all|all-gather)(?:-start)?\(", text)
+    assert small and all(t.startswith(("s32[", "(s32[")) for t in small), small
     coll = measure.collective_bytes(text, {"ragged_overflow_rounds": 1})
     assert coll["ragged-all-to-all"]["count"] >= 2
+    if i == 0:
+      assert measure.dependent_collectives(text, {"ragged_overflow_rounds": 0}) == 3

@@ -95,9 +95,10 @@ def moe_ragged_all_to_all(
   """Expert-parallel MoE: dropless `ragged_all_to_all` dispatch, compute, and return.
 
   Each device sorts its T*K (token, slot) items by expert (so by destination device, then
-  local expert). A small `all_to_all` tells every device how many items each source sends
-  each of its L = E / N local experts; each device lays out what it will receive
-  expert-major (all sources' items for local expert 0, then expert 1, ...). Round 0 moves
+  local expert). A small `all_gather` tells every device how many items each source sends
+  each of the L = E / N local experts of every device; each device lays out what it will
+  receive expert-major (all sources' items for local expert 0, then expert 1, ...), and
+  where its own queues fall in the others' layouts, with no second exchange. Round 0 moves
   positions [0, C) of every device's layout into its C-row receive buffer, each later round
   the next C_overflow positions, each with one
   `ragged_all_to_all` that sends each (source, destination, expert) queue exactly: no
@@ -307,12 +308,14 @@ def _ragged_body(
     order_I, load_E, valid_I = local.sort_by_expert(experts_TK.reshape(-1), lay.num_experts)
     count_NL = load_E.reshape(N, cfg.local_experts)
     offset_NL = (jnp.cumsum(load_E) - load_E).reshape(N, -1).astype(jnp.int32)
-    # Each device sends each destination its queue lengths and sorted positions for that
-    # destination's experts, and receives those of every source for its own experts.
-    from_SL, recv_SL = jax.lax.all_to_all(jnp.stack([offset_NL, count_NL]), axis, 1, 1, tiled=True)
-    rstart_SL = plan_lib.receive_starts(recv_SL)
-    # ... and tells each source where its queues begin in this device's receive order.
-    start_NL = jax.lax.all_to_all(rstart_SL, axis, 0, 0, tiled=True)
+    # Every device learns every queue's length and sorted position at its source, in one
+    # collective (at decode its latency, not its few bytes, is the cost): each device then
+    # lays out every receive order itself, its own and the ones its queues go into.
+    offset_SNL, count_SNL = jax.lax.all_gather(jnp.stack([offset_NL, count_NL]), axis, axis=1)
+    me = jax.lax.axis_index(axis)
+    from_SL, recv_SL = offset_SNL[:, me], count_SNL[:, me]
+    rstart_NSL = jax.vmap(plan_lib.receive_starts, in_axes=1)(count_SNL)
+    rstart_SL, start_NL = rstart_NSL[me], rstart_NSL[:, me]
     q = _Queues(offset_NL, count_NL, start_NL, from_SL, recv_SL, rstart_SL)
     # Every device runs as many rounds as the fullest receive order on the mesh needs.
     received = jnp.sum(recv_SL)
