@@ -394,10 +394,11 @@ def chip_rows(ids_TK, num_ids, case):
 def replica_slots(experts_TK, phy2log, n_dev, N, log2phy=None):
   """The slot of every item by the layer's documented rule. Device g holds the g-th block
   of tokens, at expert-axis position g // M of row g % M. In each row, replica x of expert
-  e (its slots in log2phy's order; without `log2phy`, in increasing order) takes the row's load of e divided by e's count, the
-  first (load mod count) one more; each device's items for e (token-major) first fill its
-  own replicas of e in order up to those shares, and the rest, device by device in
-  position order, fill the remaining room in order. Invalid ids stay -1."""
+  e (its slots in log2phy's order; without `log2phy`, in increasing order) takes the
+  row's load of e divided by e's count, the first (load mod count) one more; each
+  device's items for e (token-major) first fill its own replicas of e in order up to
+  those shares, and the rest, device by device in position order, fill the remaining room
+  in order. Invalid ids stay -1."""
   phy2log = np.asarray(phy2log)
   S = phy2log.shape[0]
   Ls, M = S // N, n_dev // N

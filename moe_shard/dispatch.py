@@ -346,9 +346,10 @@ def choose_impl(
     `cfg.param_dtype`) and, at decode sizes with several experts per device on chips
     with published figures, both exchanges' estimated times (`decode_estimates`):
     "ragged_dot" without an expert axis of several devices; on a placement
-    (`replicated`) "ragged_all_to_all" where XLA has it, whatever the tokens; at up to `DECODE_TOKENS`
-    tokens per device the exchange with the smaller estimate where there is one, else
-    "all_to_all" while its buffer's matmuls cost less than reading the weights; else
+    (`replicated`) "ragged_all_to_all" where XLA has it, whatever the tokens; at up to
+    `DECODE_TOKENS` tokens per device the exchange with the smaller estimate where there
+    is one, else "all_to_all" while its buffer's matmuls cost less than reading the
+    weights; else
     "ragged_all_to_all" if the mesh's devices are TPUs or GPUs (XLA has ragged-all-to-all
     there) and "all_to_all" otherwise (CPU). One expert per device is not priced: its
     buffers hold the same rows either way at 8 tokens per chip, and compiled for TPU v5e
