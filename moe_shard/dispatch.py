@@ -88,8 +88,7 @@ def _local_slots(experts_TK, mesh, cfg, placement, slot_weights):
 def all_gather(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, slot_weights=False):
   """`moe_all_gather` over `cfg.expert_axis`; with a placement, stats: slot_load (the
   replica rule's count on the tokens as the mesh splits them)."""
-  _, stats = _local_slots(experts_TK, mesh, cfg, placement, slot_weights)
-  return parallel.moe_all_gather(
+  y_TF, stats = parallel.moe_all_gather(
     x_TD,
     ffn,
     experts_TK,
@@ -101,7 +100,9 @@ def all_gather(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, 
     expert_fsdp_axis=cfg.expert_fsdp_axis,
     placement=placement,
     slot_weights=slot_weights,
-  ), stats
+    return_stats=True,
+  )
+  return y_TF, ({} if placement is None else dict(slot_load=stats["slot_load"]))
 
 
 def all_to_all(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, slot_weights=False):

@@ -441,3 +441,26 @@ def test_scan_over_layers_with_a_placement_per_layer():
     got = grad(stacked, x, placements)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert_close(g, w, jnp.float32)
+
+
+def test_all_gather_counts_slots_as_its_devices_split_the_tokens():
+  # T = 12 tokens over 8 devices: padded to 16, two a device, the last four padding. The
+  # slots' load is the replica rule's on that split (padding ids -1), counted in the body.
+  mesh = _mesh((2, 4), DE, EXPLICIT)
+  rng = np.random.default_rng(3)
+  experts = rng.choice([0, 0, 0, 5, 5, 1, 2, 3, 4, 6, 7], size=(12, 2)).astype(np.int32)
+  x = jnp.asarray(rng.normal(size=(12, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(E, 8, 4)), jnp.float32)
+  phy2log = PLACEMENTS["one_chip"]
+  p = ms.Placement.from_phy2log(np.array(phy2log), E)
+  with jax.set_mesh(mesh):
+    _, stats = ms.moe_all_gather(
+      x, w, jnp.asarray(experts), mesh=mesh, placement=p, gmm_impl="ragged_dot", return_stats=True
+    )
+  padded = np.concatenate([experts, np.full((4, 2), -1, np.int32)])
+  positions = list(sharding.expert_positions(mesh, "expert"))
+  rows = list(sharding.data_rows(mesh, "expert"))
+  slots = replica_rule(padded, phy2log, positions, rows, 3)
+  want = np.bincount(slots[slots >= 0], minlength=len(phy2log))
+  np.testing.assert_array_equal(stats["slot_load"], want)
+  np.testing.assert_array_equal(stats["expert_load"], np.bincount(experts.ravel(), minlength=E))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any, Literal, overload
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -11,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks, local
+from moe_shard.balance import expert_load
 from moe_shard.experts import ExpertFFN
 from moe_shard.parallel.common import _prepare, gather_weights, output_once, shard_map
 from moe_shard.parallel.replicas import check_dispatch_placement, slot_inputs
@@ -21,6 +23,7 @@ from moe_shard.sharding import EXPERT, expert_axes, resolve_mesh, trim, vary_ove
 # --------------------------------------------------------------------------- all_gather
 
 
+@overload
 def moe_all_gather(
   x_TD: Float[Array, "T D"],
   w: Float[Array, "E D F"] | ExpertFFN,
@@ -34,7 +37,39 @@ def moe_all_gather(
   expert_fsdp_axis: str | None = None,
   placement: Placement | None = None,
   slot_weights: bool = False,
-) -> Float[Array, "T F"]:
+  return_stats: Literal[False] = False,
+) -> Float[Array, "T F"]: ...
+@overload
+def moe_all_gather(
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
+  return_stats: Literal[True],
+) -> tuple[Float[Array, "T F"], dict[str, Any]]: ...
+def moe_all_gather(
+  x_TD: Float[Array, "T D"],
+  w: Float[Array, "E D F"] | ExpertFFN,
+  experts: Int[Array, "T K"] | Int[Array, " T"],
+  weights: Float[Array, "T K"] | Float[Array, " T"] | None = None,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  gmm_impl: str = "auto",
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
+  placement: Placement | None = None,
+  slot_weights: bool = False,
+  return_stats: bool = False,
+) -> Float[Array, "T F"] | tuple[Float[Array, "T F"], dict[str, Any]]:
   """Expert-parallel MoE: all_gather tokens, compute local experts, reduce-scatter.
 
   Each device gathers the tokens, expert ids and weights of the N devices on its expert
@@ -66,9 +101,13 @@ def moe_all_gather(
       holds the E logical experts, whose slots' weights are fetched from their owners
       inside the call (their gradients summed back), or, with `slot_weights`, the S slots.
     slot_weights: whether `w` holds the placement's slots (default False).
+    return_stats: also return a dict of statistics (default False).
 
   Returns:
-    y_TF: f[T, F] in the dtype of `x_TD`, split over the mesh like the tokens.
+    y_TF: f[T, F] in the dtype of `x_TD`, split over the mesh like the tokens; with
+    `return_stats`, `(y_TF, stats)` where stats holds `expert_load` (i32[E]: valid items
+    per expert) and, with a placement, `slot_load` (i32[S]: items each slot computed, as
+    the devices split the tokens).
 
   Raises:
     TypeError, ValueError: bad arguments, no mesh (none given and none in scope), or E not
@@ -79,7 +118,7 @@ def moe_all_gather(
   placement, grad_rows = check_dispatch_placement(
     "moe_all_gather", placement, w, mesh, expert_axis, slot_weights
   )
-  return _all_gather_jit(
+  y_TF, stats = _all_gather_jit(
     x_TD,
     w,
     experts,
@@ -93,6 +132,7 @@ def moe_all_gather(
     slot_weights=bool(slot_weights),
     grad_rows=grad_rows,
   )
+  return (y_TF, stats) if return_stats else y_TF
 
 
 @functools.partial(
@@ -131,10 +171,12 @@ def _all_gather_jit(
   )
   tok = lay.token_spec
   args, specs = (x_TD, ffn, experts_TK, weights_TK), (tok, lay.ffn_specs(ffn), tok, tok)
+  stats_specs = dict(expert_load=P())
   if placement is not None:
     args, specs = args + (placement,), specs + (jax.tree.map(lambda _: P(), placement),)
-  y_TF = shard_map(body, mesh, in_specs=specs, out_specs=tok)(*args)
-  return trim(y_TF, mesh, lay.tokens)
+    stats_specs = dict(stats_specs, slot_load=P())
+  y_TF, stats = shard_map(body, mesh, in_specs=specs, out_specs=(tok, stats_specs))(*args)
+  return trim(y_TF, mesh, lay.tokens), stats
 
 
 def _all_gather_body(
@@ -143,9 +185,11 @@ def _all_gather_body(
   # Per-device sizes: T tokens of this device, L = E / N local experts (with a placement:
   # E = S slots, L = S / N of them here, and the ids are slot ids).
   if placement:
-    lay, ffn_L, experts_TK, _ = slot_inputs(
+    lay, ffn_L, experts_TK, stats = slot_inputs(
       lay, placement[0], ffn_L, experts_TK, slot_weights=slot_weights, grad_rows=grad_rows
     )
+  else:
+    stats = dict(expert_load=jax.lax.psum(expert_load(experts_TK, lay.num_experts), lay.all_axes))
   axis = lay.expert_axis
   L = lay.num_experts // lay.n
   ffn_L = vary_over(
@@ -166,4 +210,4 @@ def _all_gather_body(
   # own tokens.
   with jax.named_scope("reduce_scatter"):
     y_TF = jax.lax.psum_scatter(y_MF.astype(x_TD.dtype), axes, scatter_dimension=0, tiled=True)
-  return y_TF
+  return y_TF, stats
