@@ -1,4 +1,5 @@
-"""The one-command GPU run's summary (`bench/gpu_h100.sh`): issue 37's ratios from its files.
+"""The one-command GPU run's summary (`bench/gpu_h100.sh`): the ratios against the PyTorch
+peers, read from its files.
 
     python -m bench.gpu_summary RESULTS_DIR [--tests LOG]
 

@@ -238,6 +238,34 @@ def assert_close(got, want, dtype, err_msg=""):
   np.testing.assert_allclose(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=err_msg)
 
 
+class Mismatches:
+  """Every comparison of one case, the failures collected so that one assert names them all
+  (e.g. "d.router_DE"): `close(got, want, what)` is `assert_close` in float32, `check()`
+  fails with each wrong quantity's message."""
+
+  def __init__(self, name):
+    self.name, self.wrong = name, []
+
+  def close(self, got, want, what):
+    try:
+      assert_close(jnp.asarray(got, jnp.float32), want, jnp.float32, f"{self.name}: {what}")
+    except AssertionError as e:
+      self.wrong.append((what, str(e)))
+
+  def close_tree(self, got, want):
+    """`close` leaf by leaf, each named by its path ("d" + keystr)."""
+    for (path, g), (_, w) in zip(
+      jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(want)
+    ):
+      self.close(g, w, f"d{jax.tree_util.keystr(path)}")
+
+  def check(self):
+    wrong = self.wrong
+    assert not wrong, f"{self.name}: wrong {[w for w, _ in wrong]}\n" + "\n".join(
+      m for _, m in wrong
+    )
+
+
 def assert_tree_close(got, want, dtype, err_msg=""):
   """`assert_close` leaf by leaf; the two pytrees must have the same structure."""
   got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)

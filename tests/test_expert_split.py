@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import layer_oracle
 import numpy as np
 import pytest
-from cases import FAST_COMPILE, assert_close
+from cases import FAST_COMPILE, Mismatches
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -197,27 +197,18 @@ def test_split_layer_matches_float64_model(name):
   params, x, ct, want_y, want_aux, want_dparams, want_dx = reference()
   params = placed(jax.tree.map(jnp.asarray, params), cfg, mesh)
   y, aux, (dparams, dx) = run_and_grad(params, jnp.asarray(x), jnp.asarray(ct), cfg, mesh)
-  wrong = []
-
-  def close(got, want, what):
-    try:
-      assert_close(jnp.asarray(got, jnp.float32), want, jnp.float32, err_msg=f"{name}: {what}")
-    except AssertionError as e:
-      wrong.append((what, str(e)))
-
-  close(y, want_y, "y")
+  m = Mismatches(name)
+  m.close(y, want_y, "y")
   for what in ("aux_loss", "load_balance_loss", "z_loss"):
-    close(aux[what], want_aux[what], what)
+    m.close(aux[what], want_aux[what], what)
   np.testing.assert_array_equal(aux["expert_load"], want_aux["expert_load"])
   if "chunk_size" in overrides or "recv_capacity" in overrides:
     assert int(aux["rounds"]) >= 2, f"{name}: no overflow round ran"
-  close(dx, want_dx, "dx")
-  got_leaves = jax.tree_util.tree_leaves_with_path(dparams)
-  want_leaves = jax.tree_util.tree_leaves_with_path(want_dparams)
-  assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves]
-  for (path, got), (_, want) in zip(got_leaves, want_leaves):
-    close(got, want, f"d{jax.tree_util.keystr(path)}")
-  assert not wrong, f"{name}: wrong {[w for w, _ in wrong]}\n" + "\n".join(m for _, m in wrong)
+  m.close(dx, want_dx, "dx")
+  paths = lambda t: [p for p, _ in jax.tree_util.tree_leaves_with_path(t)]
+  assert paths(dparams) == paths(want_dparams)
+  m.close_tree(dparams, want_dparams)
+  m.check()
 
 
 def test_output_bias_counts_once():

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import layer_oracle
 import numpy as np
 import pytest
-from cases import FAST_COMPILE, assert_close
+from cases import FAST_COMPILE, Mismatches, assert_close
 from test_layer_oracle import AUTO, DE, ED, EXPLICIT, _mesh, _oracle_key, _place, config, reference
 
 import moe_shard as ms
@@ -215,28 +215,18 @@ def test_layer_on_placement_matches_float64_model(name):
     fixed, placement = _Fixed(placement), None
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     y, aux, (dparams, dx) = _run(params, x_in, jnp.asarray(ct), placement, cfg, mesh, fixed)
-  wrong = []
-
-  def close(got, want, what):
-    try:
-      assert_close(jnp.asarray(got, jnp.float32), want, jnp.float32, err_msg=f"{name}: {what}")
-    except AssertionError as e:
-      wrong.append((what, str(e)))
-
-  close(y, want_y, "y")
-  close(aux["aux_loss"], want_aux["aux_loss"], "aux_loss")
+  m = Mismatches(name)
+  m.close(y, want_y, "y")
+  m.close(aux["aux_loss"], want_aux["aux_loss"], "aux_loss")
   np.testing.assert_array_equal(aux["expert_load"], want_aux["expert_load"])
-  close(dx, want_dx, "dx")
+  m.close(dx, want_dx, "dx")
   if served:  # the slots' gradients summed per expert are the experts'
     phy2log = np.asarray(PLACEMENTS[which])
     per_expert = lambda g: np.stack([np.asarray(g)[phy2log == e].sum(0) for e in range(E)])
     fields = {f.name: getattr(dparams, f.name) for f in dataclasses.fields(ms.MoEParams)}
     dparams = ms.MoEParams(**dict(fields, experts=jax.tree.map(per_expert, dparams.experts)))
-  for (path, got), (_, want) in zip(
-    jax.tree_util.tree_leaves_with_path(dparams), jax.tree_util.tree_leaves_with_path(want_dparams)
-  ):
-    close(got, want, f"d{jax.tree_util.keystr(path)}")
-  assert not wrong, f"{name}: wrong {[w for w, _ in wrong]}\n" + "\n".join(m for _, m in wrong)
+  m.close_tree(dparams, want_dparams)
+  m.check()
 
   # device_load: the rule's count, from the model's routing.
   n = 1 if mesh is None else mesh.shape["expert"]
