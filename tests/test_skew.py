@@ -408,7 +408,8 @@ def test_load_window_sums_the_last_steps():
 
 def test_scan_over_layers_with_a_placement_per_layer():
   # Two layers stacked, a [2, S] placement scanned with them (traced inside the scan): the
-  # same outputs and gradients as the layers without a placement.
+  # loss and dx of the float64 model, and the parameters' gradients of the layers without
+  # a placement.
   mesh = _mesh((2, 4), DE, EXPLICIT)
   cfg = config(num_shared_experts=0, impl="all_to_all", gmm_impl="ragged_dot")
   with jax.set_mesh(mesh):
@@ -431,6 +432,26 @@ def test_scan_over_layers_with_a_placement_per_layer():
     got = grad(stacked, x, placements)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert_close(g, w, jnp.float32)
+  # The loss and dx against the float64 model of the two layers (central differences).
+  p64 = [layer_oracle.to_f64(jax.device_get(p)) for p in layers]
+
+  def model(x64):
+    h = x64
+    for p in p64:
+      D = cfg.d_model
+      assert layer_oracle.routing_margin(h.reshape(-1, D), p.router_DE, cfg.top_k) > 1e-3
+      h = h + layer_oracle.layer(p, h, cfg)[0]
+    return float(np.sum(h**2))
+
+  x64 = np.asarray(x, np.float64)
+  dx64 = np.zeros_like(x64)
+  for i in np.ndindex(x64.shape):
+    up, down = x64.copy(), x64.copy()
+    up[i] += 1e-6
+    down[i] -= 1e-6
+    dx64[i] = (model(up) - model(down)) / 2e-6
+  assert_close(got[0], model(x64), jnp.float32)
+  assert_close(got[1][1], dx64, jnp.float32)
 
 
 def test_all_gather_counts_slots_as_its_devices_split_the_tokens():
