@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_shard import _checks, local
-from moe_shard.kernels.tpu import LANES, MAX_ROW_TILE, default_tiling
+from moe_shard.kernels.tpu_tiling import LANES, MAX_ROW_TILE, default_tiling
 
 # Receive buffers of at most this many rows hold the most that can arrive, whatever the
 # routing (`default_chunks`, `default_capacity`): one round, so the weights are read once.

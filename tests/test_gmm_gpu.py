@@ -7,8 +7,9 @@ Mosaic GPU kernels run only on a Hopper GPU (tests/test_gpu.py runs them there).
     shard_map) runs with stand-in kernels that keep the real ones' contract: they check the
     same divisibility, write their inputs' dtype, and leave the rows past the groups
     unwritten (NaN here).
-  * The real kernels are traced: in `grouped_matmul(impl="auto")` on CPU, inside shard_map
-    with check_vma, and in a bfloat16 `lax.scan` over expert-parallel layers under grad
+  * The real kernels are traced: in `grouped_matmul(impl="auto")` on CPU as where a CUDA
+    backend is present (`cuda_present`; without one "auto" builds no CUDA branch), inside
+    shard_map with check_vma, and in a bfloat16 `lax.scan` over expert-parallel layers under grad
     (the trace that broke megablox as TPU's default). `transposed_ragged_dot` reads the SM
     count of `jax.devices()[0]` while tracing; `fake_sm_count` gives it one so its trace is
     checked too (off a GPU the library traces `lax.ragged_dot_general` for dw instead).
@@ -16,6 +17,8 @@ Mosaic GPU kernels run only on a Hopper GPU (tests/test_gpu.py runs them there).
 
 import dataclasses
 import functools
+import subprocess
+import sys
 import types
 
 import jax
@@ -28,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
 from moe_shard.kernels import gpu as gmm_gpu
+from moe_shard.kernels import grouped_matmul as gmm_module
 
 BF16 = TOL["bfloat16"]  # float16 (10-bit mantissa) is checked to bfloat16's tolerance
 
@@ -250,7 +254,21 @@ def test_all_three_kernels_trace_with_an_sm_count(fake_sm_count):
   assert _kernels_traced(*_loss("blocks", JAX_KERNELS)) == (3, 0)
 
 
-def test_auto_traces_the_cuda_branch_and_runs_tiled_on_cpu():
+@pytest.fixture
+def cuda_present(monkeypatch):
+  """ "auto" builds its CUDA branch as in a process with a CUDA backend (`auto_backends`)."""
+  monkeypatch.setattr(gmm_module, "WHERE_PRESENT", ())
+
+
+def test_auto_builds_no_cuda_branch_without_a_cuda_backend():
+  """Off a CUDA host "auto" neither imports nor traces the Mosaic GPU kernels."""
+  assert "cuda" not in jax.extend.backend.backends()
+  assert gmm_module.auto_backends() == {"tpu": "megablox"}
+  fn, x, w = _loss("auto")
+  assert _kernels_traced(fn, x, w)[0] == 0
+
+
+def test_auto_traces_the_cuda_branch_and_runs_tiled_on_cpu(cuda_present):
   fn, x, w = _loss("auto")
   assert _kernels_traced(fn, x, w)[0] == 4
   got = jax.jit(fn)(x, w)
@@ -259,13 +277,35 @@ def test_auto_traces_the_cuda_branch_and_runs_tiled_on_cpu():
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(v, np.float32))
 
 
+def test_import_loads_no_pallas_kernels():
+  """`import moe_shard` loads neither Mosaic GPU (which needs absl-py) nor Pallas TPU."""
+  code = (
+    "import sys, moe_shard\n"
+    "bad = [m for m in sys.modules if m.startswith(('jax._src.pallas.mosaic_gpu.core',"
+    " 'jax.experimental.pallas.tpu', 'moe_shard.kernels.gpu', 'moe_shard.kernels.tpu'))"
+    " and m != 'moe_shard.kernels.tpu_tiling']\n"
+    "assert not bad, bad\n"
+  )
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_a_missing_kernel_dependency_is_named(monkeypatch):
+  def missing(name):
+    raise ModuleNotFoundError(f"No module named 'absl' (importing {name})", name="absl")
+
+  monkeypatch.setattr(gmm_module.importlib, "import_module", missing)
+  with pytest.raises(ImportError, match=r"import 'absl'.*pip install 'moe_shard\[gpu\]'"):
+    gmm_module.kernel_module("gpu")
+
+
 def test_float32_takes_ragged_dot():
   fn, x, w = _loss("mosaic_gpu")
   assert _kernels_traced(fn, x.astype(jnp.float32), w.astype(jnp.float32))[0] == 0
 
 
 @pytest.mark.parametrize("impl", ["all_to_all", "ragged_all_to_all"])
-def test_bf16_scan_over_expert_parallel_layers_grad(fake_sm_count, devices, impl):
+def test_bf16_scan_over_expert_parallel_layers_grad(fake_sm_count, cuda_present, devices, impl):
   """The trace that broke megablox as TPU's default: a `lax.scan` over stacked layers,
   differentiated, each layer a shard_map dispatch on a 4 x 2 mesh, here in bfloat16 so that
   every grouped matmul traces the Mosaic GPU branch. Lowered for CPU (tiled branch)."""

@@ -30,9 +30,9 @@ kernels do not take as is:
   * `jax.shard_map` with check_vma: as for megablox (`kernels.pallas`): the pallas_calls are
     traced with the check off, their outputs cast to vary like the inputs.
   * Tracing off a GPU: JAX's `transposed_ragged_dot` reads the SM count from
-    `jax.devices()[0]` while tracing. `lax.platform_dependent` (grouped_matmul's "auto")
-    traces the CUDA branch on every host, so where the default device is not a GPU, JAX's
-    dw is traced as `lax.ragged_dot_general` instead (never run there). The
+    `jax.devices()[0]` while tracing. `lax.platform_dependent` traces the CUDA branch on
+    any host it is given to (`gmm_impl="mosaic_gpu"` anywhere), so where the default device
+    is not a GPU, JAX's dw is traced as `lax.ragged_dot_general` instead (never run there). The
     warp-specialized kernels take the SM count as an argument: 132 off a GPU.
 
 Blocks (`BlockConfig`, default `default_blocks`): block_m rows per tile (dw: columns of D),

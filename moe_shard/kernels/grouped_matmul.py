@@ -35,31 +35,54 @@ each backend takes it:
 `lax.platform_dependent`, so the choice follows the platform the program is compiled for
 (an ahead-of-time TPU compile on a CPU host takes the TPU entry); platforms not listed take
 `DEFAULT_BACKEND`. A new backend is one function and one entry. `platform_dependent` traces
-every branch on every host, so every entry must trace anywhere (the Mosaic GPU kernels do,
-inside shard_map and under a differentiated `lax.scan` over layers: tests/test_gmm_gpu.py).
+every branch it is given on every host, so every entry must trace anywhere (the Mosaic GPU
+kernels do, inside shard_map and under a differentiated `lax.scan` over layers:
+tests/test_gmm_gpu.py); "auto" gives it the CUDA branch only in a process with a CUDA
+backend (`auto_backends`). The Pallas kernel modules are imported when their backend is
+first traced (`kernel_module`): `import moe_shard` needs neither Pallas TPU nor Mosaic GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.extend import backend as jax_backend
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
-from moe_shard.kernels.gpu import DTYPES as MOSAIC_GPU_DTYPES
-from moe_shard.kernels.gpu import mosaic_gpu_gmm
 from moe_shard.kernels.tiled import default_tiles, gmm_tiled, gmm_tiled_frozen, tile_sizes
 from moe_shard.kernels.tokamax import tokamax_gmm
-from moe_shard.kernels.tpu import DTYPES as MEGABLOX_DTYPES
-from moe_shard.kernels.tpu import megablox_gmm
-from moe_shard.kernels.tpu_quant import quantized_gmm
+from moe_shard.kernels.tpu_tiling import DTYPES as MEGABLOX_DTYPES
 from moe_shard.quant import check_quantized, is_quantized, stop_gradient, zero_cotangent
 from moe_shard.sharding import match_vma
+
+# What each Pallas kernel module needs beyond jax, named when its import fails.
+_KERNEL_EXTRAS = {"gpu": "moe_shard[gpu]"}
+
+
+def kernel_module(name):
+  """The kernel module `moe_shard.kernels.<name>` ("tpu", "tpu_quant", "gpu"), imported when
+  a backend is first traced, so that `import moe_shard` loads neither Pallas TPU nor Mosaic
+  GPU, and what a platform's kernels import (absl-py for Mosaic GPU) is needed only where
+  they are used.
+
+  Raises:
+    ImportError: a module the kernels import is missing, naming it and the extra to install.
+  """
+  try:
+    return importlib.import_module(f"moe_shard.kernels.{name}")
+  except ModuleNotFoundError as err:
+    extra = _KERNEL_EXTRAS.get(name, "jax")
+    raise ImportError(
+      f"grouped_matmul: the kernels of moe_shard.kernels.{name} import {err.name!r}, which "
+      f"is not installed (pip install '{extra}')"
+    ) from err
 
 
 def tiled(x_MD, w_GDF, group_sizes_G, *, out_dtype, max_tile=None, min_tile=None):
@@ -97,6 +120,8 @@ def megablox(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   if x_MD.dtype not in MEGABLOX_DTYPES or w_GDF.shape[0] == 1:
     return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
 
+  megablox_gmm = kernel_module("tpu").megablox_gmm
+
   def run(interpret):
     return lambda x, w, gs: megablox_gmm(
       x, w, gs, preferred_element_type=out_dtype, interpret=interpret
@@ -126,7 +151,7 @@ def _megablox_quantized(x_MD, w_GDF, group_sizes_G, out_dtype):
 def frozen_quantized_gmm(x_MD, w_GDF, group_sizes_G, out_dtype, interpret):
   """`quantized_gmm` differentiable in x: dx = dy @ w^T by the transposed kernel; w's
   cotangent is zero (quantized matrices are frozen)."""
-  return quantized_gmm(
+  return kernel_module("tpu_quant").quantized_gmm(
     x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype, interpret=interpret
   )
 
@@ -139,7 +164,7 @@ def _frozen_fwd(x_MD, w_GDF, group_sizes_G, out_dtype, interpret):
 def _frozen_bwd(out_dtype, interpret, res, dy_MF):
   x_0, w_GDF, group_sizes_G = res
   x_dtype = x_0.dtype
-  dx_MD = quantized_gmm(
+  dx_MD = kernel_module("tpu_quant").quantized_gmm(
     dy_MF.astype(x_dtype),
     w_GDF,
     group_sizes_G,
@@ -158,10 +183,11 @@ def mosaic_gpu(x_MD, w_GDF, group_sizes_G, *, out_dtype, **_):
   bfloat16 and float16; other dtypes (float32) take "ragged_dot". The kernels write x's
   dtype (f32 accumulators inside), then cast to `out_dtype`.
   """
-  if x_MD.dtype not in MOSAIC_GPU_DTYPES:
+  gpu = kernel_module("gpu")
+  if x_MD.dtype not in gpu.DTYPES:
     return ragged_dot(x_MD, w_GDF, group_sizes_G, out_dtype=out_dtype)
   w_GDF = _dequantized(w_GDF, x_MD.dtype)
-  return mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype)
+  return gpu.mosaic_gpu_gmm(x_MD, w_GDF, group_sizes_G, preferred_element_type=out_dtype)
 
 
 def _dequantized(w_GDF, dtype):
@@ -183,6 +209,7 @@ BACKENDS: dict[str, Callable[..., Array]] = {
 # shard_map with the check on, under such a scan, pass gmm_impl="ragged_dot".
 # CUDA takes "mosaic_gpu": its kernels trace on any host (off a GPU its dw traces as
 # lax.ragged_dot_general, see kernels/gpu.py), in shard_map and in scan-over-layers training.
+# "auto" traces the CUDA branch only in a process with a CUDA backend (`auto_backends`).
 # How each backend takes a quantized w (`quant.QuantizedArray`); a backend not listed raises.
 # "blocks": a block or group at a time, no float copy of the whole w; "whole": dequantized
 # whole first, correct but saving no memory.
@@ -195,6 +222,19 @@ QUANTIZED_WEIGHTS = {
 PLATFORM_BACKENDS = {"tpu": "megablox", "cuda": "mosaic_gpu"}
 DEFAULT_BACKEND = "tiled"
 GMM_CHOICES = ("auto", *BACKENDS)
+# Platforms whose branch "auto" builds only where this process has a backend for them.
+# `platform_dependent` traces every branch it is given, lowered or not, and the Mosaic GPU
+# branch is the costliest to trace (and needs absl-py). TPU's branch is always built: TPU
+# programs are compiled ahead of time on CPU hosts, with no TPU backend in the process.
+WHERE_PRESENT = ("cuda",)
+
+
+def auto_backends() -> dict[str, str]:
+  """The `PLATFORM_BACKENDS` entries "auto" builds a branch for in this process: all of
+  them but those of `WHERE_PRESENT` whose platform has no backend here (a program lowered
+  for such a platform takes `DEFAULT_BACKEND`, or name the backend with `impl`)."""
+  present = jax_backend.backends()
+  return {p: n for p, n in PLATFORM_BACKENDS.items() if p not in WHERE_PRESENT or p in present}
 
 
 def grouped_matmul(
@@ -270,7 +310,7 @@ def grouped_matmul(
       w_GDF,
       group_sizes_G,
       default=backend(DEFAULT_BACKEND),
-      **{platform: backend(name) for platform, name in PLATFORM_BACKENDS.items()},
+      **{platform: backend(name) for platform, name in auto_backends().items()},
     )
   return y
 
@@ -281,7 +321,7 @@ def _check_quantized(fn, w_GDF, impl):
   check_quantized(fn, "w_GDF", w_GDF)
   if len(w_GDF.shape) != 3:
     raise ValueError(f"{fn}: w_GDF must be 3-D (got shape {tuple(w_GDF.shape)})")
-  names = (DEFAULT_BACKEND, *PLATFORM_BACKENDS.values()) if impl == "auto" else (impl,)
+  names = (DEFAULT_BACKEND, *auto_backends().values()) if impl == "auto" else (impl,)
   for name in names:
     if name in BACKENDS and name not in QUANTIZED_WEIGHTS:
       raise ValueError(

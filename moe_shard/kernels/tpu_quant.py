@@ -67,7 +67,6 @@ from moe_shard.kernels.pallas import (
   round_up,
   vary_like,
 )
-from moe_shard.kernels.tpu import target_device_kind, vmem_limit
 from moe_shard.kernels.tpu_quant_tiling import (
   DTYPES,
   FP8_BLOCK,
@@ -78,6 +77,7 @@ from moe_shard.kernels.tpu_quant_tiling import (
   default_tiling,
   vmem_bytes,
 )
+from moe_shard.kernels.tpu_tiling import target_device_kind, vmem_limit
 from moe_shard.quant import QuantizedArray
 from moe_shard.sharding import match_vma, varying_axes
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from moe_shard import _checks
 from moe_shard.kernels.pallas import round_up
-from moe_shard.kernels.tpu import LANES, MAX_ROW_TILE, ROW_TILE, vmem_budget
+from moe_shard.kernels.tpu_tiling import LANES, MAX_ROW_TILE, ROW_TILE, vmem_budget
 from moe_shard.quant import FORMATS, QuantizedArray
 
 DTYPES = (jnp.bfloat16, jnp.float32)  # x's dtypes, as megablox
