@@ -59,7 +59,8 @@ from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.matmuls import GroupedMatmul, MaskedMatmul
 from moe_shard.parallel import moe_all_gather, moe_all_to_all, moe_ragged_all_to_all
 from moe_shard.params import MoEParams, init_moe_params, moe_param_shapes, moe_param_specs
-from moe_shard.placement import Placement, StepPlacement, plan_placement
+from moe_shard.placement import Placement
+from moe_shard.planning import plan_placement
 from moe_shard.quant import FORMATS, QuantizedArray, dequantize_experts, quantize_experts
 from moe_shard.remat import (
   CHECKPOINT_NAMES,
@@ -70,7 +71,16 @@ from moe_shard.remat import (
   MOE_EXPERT_UP,
   MOE_ROUTER_LOGITS,
 )
-from moe_shard.replicas import LoadWindow, ServedParams, replicate_experts
+from moe_shard.replica_rule import StepPlacement
+from moe_shard.replicas import (
+  LoadWindow,
+  ServedParams,
+  SlotParams,
+  logical_global_norm,
+  logical_params,
+  move_replicas,
+  replicate_experts,
+)
 from moe_shard.routing import (
   ROUTERS,
   Router,
@@ -115,6 +125,7 @@ __all__ = [
   "Router",
   "Routing",
   "ServedParams",
+  "SlotParams",
   "StepPlacement",
   "SwiGLU",
   "add_adapters",
@@ -127,6 +138,8 @@ __all__ = [
   "grouped_matmul",
   "init_moe_params",
   "load_balancing_loss",
+  "logical_global_norm",
+  "logical_params",
   "merge_adapters",
   "merge_trainable",
   "mesh_in_scope",
@@ -138,6 +151,7 @@ __all__ = [
   "moe_param_specs",
   "moe_ragged_all_to_all",
   "moe_ragged_dot",
+  "move_replicas",
   "num_routing_groups",
   "plan_placement",
   "quantize_experts",

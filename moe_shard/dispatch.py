@@ -12,7 +12,7 @@ A dispatch is a function
 
 Given a placement (`moe_layer(..., placement=...)`), the layer calls it with two more
 keywords: `placement` (a one-layer `Placement`: experts_TK stay logical ids, each item goes
-to a replica, `placement.choose_replicas`) and `slot_weights` (whether `ffn` holds the
+to a replica, `replica_rule.choose_replicas`) and `slot_weights` (whether `ffn` holds the
 placement's S slots, slot-major, or the E logical experts); its stats then hold
 `slot_load` (i32[S], items each slot computed).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,8 +37,7 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from moe_shard import _checks, chips, local, parallel, plan, quant
-from moe_shard import placement as placement_lib
+from moe_shard import _checks, chips, local, parallel, plan, quant, replica_rule
 from moe_shard.balance import expert_load
 from moe_shard.sharding import auto, axis_size, data_rows, expert_positions
 
@@ -66,7 +66,7 @@ def ragged_dot(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, 
 
 def _local_slots(experts_TK, mesh, cfg, placement, slot_weights):
   """A local dispatch's ids and stats under a placement: each item's slot as the mesh's
-  devices would pick it (`placement.assign_slots`), counted in `slot_load`; the ids become
+  devices would pick it (`replica_rule.assign_slots`), counted in `slot_load`; the ids become
   the slots when the weights are slot-major, else stay logical (the local dispatches hold
   every expert: the placement changes where the rows would go, not the result)."""
   if placement is None:
@@ -77,11 +77,14 @@ def _local_slots(experts_TK, mesh, cfg, placement, slot_weights):
     positions = expert_positions(mesh, cfg.expert_axis)
     rows = data_rows(mesh, cfg.expert_axis)
 
-  def slots_and_load(e):
-    slots = placement_lib.assign_slots(e, placement, positions, rows)
+  def slots_and_load(e, placement):
+    slots = replica_rule.assign_slots(e, placement, positions, rows)
     return slots, expert_load(slots, placement.num_slots)
 
-  slots_TK, load_S = auto(slots_and_load, experts_TK, lambda spec: (spec, P()))(experts_TK)
+  # The placement an argument, not closed over: a traced one (made inside jit) has Explicit
+  # axes, which the Auto context of `auto` must convert.
+  fn = auto(slots_and_load, experts_TK, lambda spec: (spec, P()))
+  slots_TK, load_S = fn(experts_TK, placement)
   return (slots_TK if slot_weights else experts_TK), dict(slot_load=load_S)
 
 
@@ -415,6 +418,25 @@ def _platform(mesh):
     version = device.client.platform_version.lower()
     platform = next((p for p in ("cuda", "rocm") if p in version), platform)
   return platform
+
+
+def check_placement_keywords(fn: str, dispatch: DispatchFn) -> None:
+  """Raises unless `dispatch` takes the keywords the layer adds with a placement
+  (`placement`, `slot_weights`; or `**kwargs`)."""
+  try:
+    params = inspect.signature(dispatch).parameters
+  except (TypeError, ValueError):  # no signature to read (a builtin): it will tell
+    return
+  if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return
+  missing = [k for k in ("placement", "slot_weights") if k not in params]
+  if missing:
+    name = getattr(dispatch, "__name__", type(dispatch).__name__)
+    raise TypeError(
+      f"{fn}: with a placement the layer calls the dispatch with placement= and "
+      f"slot_weights= and reads stats['slot_load'] (docs/guides/dispatch.md); impl {name!r} "
+      f"takes no {' or '.join(missing)}"
+    )
 
 
 def get_dispatch(impl: str | DispatchFn) -> Dispatch:

@@ -4,10 +4,20 @@
     moe = MoE(cfg, key=jax.random.key(0), mesh=mesh)   # parameters created sharded
     y_BSD, aux = moe(x_BSD)                             # moe_layer(moe.params, x_BSD, cfg, mesh)
     moe = MoE.from_params(cfg, params, mesh=mesh)       # around given MoEParams (a checkpoint)
+    moe = moe.replicate_experts(placement)              # slot-major experts (replicas)
+    y_BSD, aux = moe(x_BSD, placement=placement)        # served or trained on them
 
 A thin module over `init_moe_params` and `moe_layer`: its one array field is `params`, the
 `MoEParams` pytree (arrays already placed with `moe_param_specs`); `cfg` and `mesh` are
 static fields. `moe(x_BSD)` takes the whole batch (not one example: no `jax.vmap` needed).
+
+Replicated experts (docs/guides/skew.md): `moe.replicate_experts(placement)` returns the
+module with `params` slot-major (`SlotParams`), called as `moe(x_BSD, placement=placement)`
+(the placement a jit argument or a constant); every replica trains with its expert's whole
+gradient. Its optimizer state moves with it: `ms.move_replicas(opt_state, newer,
+previous=placement, mesh=mesh)` (Adam's moments of the module hold `SlotParams` too), and
+`moe.replicate_experts(newer, previous=placement)` moves the module. `moe.logical_params(
+placement)` gives the logical `MoEParams` back (checkpoints).
 
 One compile per training run. `optax.adam(...).init(params)` creates its step count with
 `jnp.zeros`, and a model's own `jnp.ones` scales are made the same way: outside a mesh
@@ -29,6 +39,9 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.layer import moe_layer
 from moe_shard.params import MoEParams, _check_params, init_moe_params
+from moe_shard.placement import Placement
+from moe_shard.replica_rule import StepPlacement
+from moe_shard.replicas import SlotParams, logical_params, replicate_experts
 from moe_shard.sharding import resolve_mesh
 
 __all__ = ["MoE"]
@@ -46,10 +59,12 @@ class MoE(eqx.Module):
       by every call; with none, each call uses the mesh in scope then (as `moe_layer`).
 
   Attributes:
-    params: `MoEParams` (router replicated, experts split over `cfg.expert_axis`).
+    params: `MoEParams` (router replicated, experts split over `cfg.expert_axis`), or
+      `SlotParams` (slot-major experts, `replicate_experts`).
     cfg, mesh: static.
 
-  Calling it with `x_BSD: f[B, S, D]` returns `(y_BSD, aux)` as `moe_layer`.
+  Calling it with `x_BSD: f[B, S, D]` (and `placement=`, as `moe_layer` takes it) returns
+  `(y_BSD, aux)` as `moe_layer`.
   """
 
   params: MoEParams
@@ -81,13 +96,44 @@ class MoE(eqx.Module):
     Raises:
       TypeError, ValueError: `params` does not fit `cfg`.
     """
-    _check_params("moe_shard.equinox.MoE.from_params", params, cfg)
+    if not isinstance(params, SlotParams):  # slot-major ones are checked by the layer
+      _check_params("moe_shard.equinox.MoE.from_params", params, cfg)
     # The module's structure without drawing its parameters, then the given ones in place.
     module = eqx.filter_eval_shape(cls, cfg, key=jax.random.key(0), mesh=mesh)
     return eqx.tree_at(lambda m: m.params, module, params)
 
   def __call__(
-    self, x_BSD: Float[Array, "B S D"]
+    self,
+    x_BSD: Float[Array, "B S D"],
+    placement: Placement | StepPlacement | str | None = None,
   ) -> tuple[Float[Array, "B S D"], dict[str, Array]]:
-    """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`)."""
-    return moe_layer(self.params, x_BSD, self.cfg, mesh=self.mesh)
+    """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`; `placement` as there,
+    the one `params` were made for when they are slot-major)."""
+    return moe_layer(self.params, x_BSD, self.cfg, mesh=self.mesh, placement=placement)
+
+  def replicate_experts(self, placement: Placement, previous: Placement | None = None) -> MoE:
+    """The module with its experts slot-major for `placement` (`ms.replicate_experts`;
+    `previous`: the placement slot-major params were made for)."""
+    cfg = self.cfg
+    params = replicate_experts(
+      self.params,
+      placement,
+      mesh=self.mesh,
+      previous=previous,
+      expert_axis=cfg.expert_axis,
+      expert_tensor_axis=cfg.expert_tensor_axis,
+      expert_fsdp_axis=cfg.expert_fsdp_axis,
+    )
+    return eqx.tree_at(lambda m: m.params, self, params)
+
+  def logical_params(self, placement: Placement) -> MoEParams:
+    """The logical parameters of slot-major ones (`ms.logical_params`)."""
+    cfg = self.cfg
+    return logical_params(
+      self.params,  # pyright: ignore[reportArgumentType] - refused unless SlotParams
+      placement,
+      mesh=self.mesh,
+      expert_axis=cfg.expert_axis,
+      expert_tensor_axis=cfg.expert_tensor_axis,
+      expert_fsdp_axis=cfg.expert_fsdp_axis,
+    )

@@ -49,13 +49,15 @@ from jaxtyping import Array, Float, Int
 from moe_shard import _checks, parallel
 from moe_shard.balance import expert_load, router_z_loss
 from moe_shard.config import MoEConfig, check_config
-from moe_shard.dispatch import choose_impl, get_dispatch
+from moe_shard.dispatch import check_placement_keywords, choose_impl, get_dispatch
 from moe_shard.experts import shared_experts
+from moe_shard.parallel.common import split_specs
 from moe_shard.params import MoEParams, _check_params, check_split_axes, moe_param_specs
-from moe_shard.placement import Placement, StepPlacement, check_placement
+from moe_shard.placement import Placement, check_placement, concrete
 from moe_shard.quant import expand, freeze, is_quantized
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
-from moe_shard.replicas import ServedParams
+from moe_shard.replica_rule import StepPlacement
+from moe_shard.replicas import SlotParams
 from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
 from moe_shard.sharding import (
   auto,
@@ -209,7 +211,7 @@ def moe_layer(
 
   Args:
     params: `MoEParams` from `init_moe_params(key, cfg)`, or, with a `Placement`, the
-      slot-major `ServedParams` that `replicate_experts(params, placement)` made for it.
+      slot-major `SlotParams` that `replicate_experts(params, placement)` made for it.
     x_BSD: f[B, S, D] tokens, D = cfg.d_model; on the mesh or not.
     cfg: `MoEConfig`.
     mesh: a `jax.sharding.Mesh` (or, under `jax.jit` or `jax.eval_shape`, an
@@ -235,15 +237,16 @@ def moe_layer(
         `load_balancing_loss`, sigmoid top-k `sequence_balance_loss` over each of the B
         sequences, expert choice 0.0 (`balance.py`).
       z_loss: f32[] `router_z_loss`, unweighted.
-      expert_load: i32[E] (token, slot) items each expert computed (after capacity drops).
+      expert_load: i32[E] (token, slot) items each expert computed (after capacity drops,
+        and without the items of experts a traced placement gives no slot).
       rounds: i32[] dispatch rounds: the dispatch's `stats["rounds"]` (the all_to_all's,
         >= 1), else 1 (one pass).
-      dropped_items: i32[] (token, slot) items dropped by the capacity (0 when dropless),
-        plus any the dispatch reports dropping (`stats["dropped_items"]`), plus those of
-        experts a placement gives no slot (a placement passed traced is not checked).
+      dropped_items: i32[] (token, slot) items dropped by the capacity (0 when dropless)
+        or for want of a slot (an expert a placement passed traced, which is not checked,
+        gives none), plus any the dispatch reports dropping (`stats["dropped_items"]`).
       dropped_tokens: i32[] tokens that reach no routed expert: all of their K items dropped
-        by the capacity, or under expert choice chosen by no expert (they get the shared
-        experts' output only).
+        (by the capacity, or for want of a slot), or under expert choice chosen by no
+        expert (they get the shared experts' output only).
       device_load: i32[N] (token, expert) items computed at each position of the expert
         axis (summed over the other mesh axes; N = 1 without a mesh), replicas counted
         where they run.
@@ -283,6 +286,8 @@ def moe_layer(
     replicated=placement is not None,
   )
   dispatch = get_dispatch(impl)
+  if placement is not None:
+    check_placement_keywords(fn, dispatch.fn)
   if mesh is None and dispatch.needs_mesh:
     raise ValueError(
       f"{fn}: impl {impl!r} needs a mesh with the expert axis "
@@ -298,8 +303,8 @@ def moe_layer(
     # Parameters not on the Explicit mesh yet: placed as `moe_param_specs` says (a router
     # gradient would otherwise contract the split token axis with an unplaced array).
     specs = moe_param_specs(dataclasses.replace(cfg, weights_format=None))
-    if isinstance(params, ServedParams):  # the same specs: the slot axis splits like E
-      specs = ServedParams(**{f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)})
+    if isinstance(params, SlotParams):  # the same specs: the slot axis splits like E
+      specs = SlotParams(**{f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)})
     specs = expand(specs, params)
     params = jax.tree.map(lambda a, spec: place(a, mesh, spec), params, specs)
   T = x_TD.shape[0]
@@ -328,6 +333,10 @@ def moe_layer(
         experts_TK,
         lambda spec: (spec, spec),
       )(experts_TK)
+    if isinstance(placement, Placement) and not concrete(placement.logcnt):
+      # A traced placement is not checked: the items of an expert it gives no slot drop.
+      fn_drop = auto(drop_unplaced, experts_TK, lambda spec: (spec, spec))
+      experts_TK, dropped_TK = fn_drop(experts_TK, dropped_TK, placement.logcnt)
     load_E = auto(functools.partial(expert_load, num_experts=E), experts_TK, lambda _: P())(
       experts_TK
     )
@@ -341,11 +350,17 @@ def moe_layer(
   dispatch_kwargs = {}
   if placement is not None:
     dispatch_kwargs = dict(placement=placement, slot_weights=slot_weights)
+  experts = params.experts
+  if slot_weights:  # each replica's gradient: its expert's (summed over the replicas)
+    specs = split_specs(experts, cfg.expert_axis, cfg.expert_tensor_axis, cfg.expert_fsdp_axis)
+    experts = parallel.tie_replicas(
+      experts, placement, mesh=mesh, expert_axis=cfg.expert_axis, specs=specs
+    )
   with jax.named_scope("dispatch"):
     # Quantized matrices stay as they are: the matmuls dequantize them to the compute dtype.
     ffn = jax.tree.map(
       lambda a: a if is_quantized(a) else a.astype(compute_dtype),
-      params.experts,
+      experts,
       is_leaf=is_quantized,
     )
     if cfg.weights_on == "output":
@@ -384,11 +399,14 @@ def moe_layer(
         gate_T = jax.nn.sigmoid(jnp.einsum("td,d->t", x_TD.astype(jnp.float32), gate_D))
         shared_TD = shared_TD * gate_T[:, None]
       y_TD = y_TD + shared_TD
+  if placement is not None and "slot_load" not in stats:
+    raise ValueError(
+      f"{fn}: with a placement the dispatch's stats must hold 'slot_load' (i32[S], items "
+      f"each slot computed; docs/guides/dispatch.md); impl {impl!r} returned "
+      f"{sorted(stats)}"
+    )
   y_BSD = unflatten_tokens(y_TD.astype(x_BSD.dtype), x_BSD, mesh)
   dropped_items = jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0)
-  if placement is not None:  # an expert with no slot (a traced placement) computes nothing
-    unplaced_E = jnp.asarray(placement.logcnt) < 1
-    dropped_items = dropped_items + jnp.sum(jnp.where(unplaced_E, load_E, 0), dtype=jnp.int32)
   aux = dict(
     aux_loss=cfg.load_balance_coef * lb_loss + cfg.z_loss_coef * z_loss,
     load_balance_loss=lb_loss,
@@ -404,6 +422,15 @@ def moe_layer(
   return like(y_BSD, x_BSD), aux
 
 
+def drop_unplaced(experts_TK, dropped_TK, logcnt_E):
+  """(experts_TK with -1 for the items of experts `logcnt_E` gives no slot, dropped_TK
+  with those items set)."""
+  E = logcnt_E.shape[0]
+  valid = (experts_TK >= 0) & (experts_TK < E)
+  unplaced = valid & (jnp.asarray(logcnt_E)[jnp.clip(experts_TK, 0, E - 1)] < 1)
+  return jnp.where(unplaced, -1, experts_TK), dropped_TK | unplaced
+
+
 def device_load(load: Int[Array, " S"], num_devices: int) -> dict[str, Array]:
   """{"device_load": i32[N] the items of each device's S / N experts or slots,
   "balancedness": f32[] their mean over their max (1.0 when all are zero)}."""
@@ -417,7 +444,7 @@ def device_load(load: Int[Array, " S"], num_devices: int) -> dict[str, Array]:
 def _check_placement(fn, params, cfg, placement, n):
   """Checks params and placement together: (the placement, StepPlacement or None, and
   whether params hold its slots)."""
-  served = isinstance(params, ServedParams)
+  served = isinstance(params, SlotParams)
   if isinstance(placement, str):
     if placement != "step":
       raise ValueError(
@@ -428,7 +455,7 @@ def _check_placement(fn, params, cfg, placement, n):
     if served:
       raise ValueError(
         f"{fn}: placement 'step' plans on the logical parameters (MoEParams); got "
-        f"slot-major ServedParams: pass the placement they were made for"
+        f"slot-major SlotParams: pass the placement they were made for"
       )
     if n > 1:
       _checks.divisible(fn, "num_experts", cfg.num_experts, "the expert axis size", n)
@@ -437,7 +464,7 @@ def _check_placement(fn, params, cfg, placement, n):
   if placement is None:
     if served:
       raise ValueError(
-        f"{fn}: params are slot-major (ServedParams from replicate_experts): pass the "
+        f"{fn}: params are slot-major (SlotParams from replicate_experts): pass the "
         f"placement they were made for (got placement=None)"
       )
     _check_params(fn, params, cfg)

@@ -4,6 +4,8 @@
     moe = MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh)   # parameters created sharded
     y_BSD, aux = moe(x_BSD)                        # moe_layer(moe.moe_params(), x_BSD, cfg, mesh)
     moe = MoE.from_params(cfg, params, mesh=mesh)  # around given MoEParams (a checkpoint)
+    moe.replicate_experts(placement, optimizer=opt, model=model)  # slot-major, in place
+    y_BSD, aux = moe(x_BSD, placement=placement)   # served or trained on the replicas
 
 A thin module over `init_moe_params` and `moe_layer`: the parameters are the leaves of
 `MoEParams`, each an `nnx.Param` (the balancing bias `router_bias` a `RouterBias`, not
@@ -16,6 +18,14 @@ the arrays are. A quantized expert matrix (`MoEConfig(weights_format=...)`,
 `experts.up_EDF`, `experts.down_EFD` (or `experts.w_EDF`), `shared.*` with shared experts,
 and `router_bias`, `router_logit_bias`, `shared_gate_D` when the config has them. `cfg` and
 `mesh` are static attributes.
+
+Replicated experts (docs/guides/skew.md): `moe.replicate_experts(placement)` makes the
+experts slot-major in place (`SlotParams`; `moe.moe_params()` returns them), and
+`moe(x_BSD, placement=placement)` runs on them; every replica trains with its expert's
+whole gradient. Given the `nnx.Optimizer` of the model that holds the module
+(`optimizer=`, `model=`), the optimizer's state of those experts (Adam's moments) moves
+with them; `replicate_experts(newer, previous=placement, ...)` follows a new placement, and
+`moe.logical_params(placement)` gives the logical `MoEParams` back.
 
 Importing `moe_shard` does not import Flax; this module does.
 """
@@ -33,7 +43,10 @@ from jaxtyping import Array, Float
 from moe_shard.config import MoEConfig, check_config
 from moe_shard.layer import moe_layer
 from moe_shard.params import MoEParams, _check_params, init_moe_params, moe_param_specs
+from moe_shard.placement import Placement
 from moe_shard.quant import expand, is_quantized
+from moe_shard.replica_rule import StepPlacement
+from moe_shard.replicas import SlotParams, logical_params, replicate_experts
 from moe_shard.sharding import resolve_mesh
 
 __all__ = ["MoE", "Quantized", "RouterBias"]
@@ -85,8 +98,10 @@ class MoE(nnx.Module):
     router_logit_bias: `nnx.Param` f32[E] with `cfg.router_logit_bias`, or None.
     shared_gate_D: `nnx.Param` f32[D] with `cfg.shared_expert_gate`, or None.
     cfg, mesh: static.
+    slot_major: static; whether the experts are slot-major (`replicate_experts`).
 
-  Calling it with `x_BSD: f[B, S, D]` returns `(y_BSD, aux)` as `moe_layer`.
+  Calling it with `x_BSD: f[B, S, D]` (and `placement=`, as `moe_layer` takes it) returns
+  `(y_BSD, aux)` as `moe_layer`.
   """
 
   def __init__(
@@ -96,6 +111,7 @@ class MoE(nnx.Module):
     check_config(fn, cfg)
     self.cfg = cfg
     self.mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
+    self.slot_major = False
     self._set_params(init_moe_params(rngs.params(), cfg, mesh=self.mesh))
 
   @classmethod
@@ -114,7 +130,8 @@ class MoE(nnx.Module):
     Raises:
       TypeError, ValueError: `params` does not fit `cfg`.
     """
-    _check_params("moe_shard.nnx.MoE.from_params", params, cfg)
+    if not isinstance(params, SlotParams):  # slot-major ones are checked by the layer
+      _check_params("moe_shard.nnx.MoE.from_params", params, cfg)
     # The module's structure without drawing its parameters, then the given ones in place.
     module = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     module._set_params(params)
@@ -122,7 +139,10 @@ class MoE(nnx.Module):
 
   def _set_params(self, params):
     # Specs of the matrices, given to a quantized matrix's values and scales alike.
-    specs = expand(moe_param_specs(dataclasses.replace(self.cfg, weights_format=None)), params)
+    specs = moe_param_specs(dataclasses.replace(self.cfg, weights_format=None))
+    if isinstance(params, SlotParams):  # the same specs: the slot axis splits like E
+      specs = SlotParams(**{f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)})
+    specs = expand(specs, params)
     quantized = functools.partial(_variable, Quantized)
     for field in dataclasses.fields(MoEParams):  # one attribute per field, None when off
       make = functools.partial(_variable, _VARIABLE_KINDS.get(field.name, nnx.Param))
@@ -137,14 +157,102 @@ class MoE(nnx.Module):
       if value is not None:
         value = jax.tree.map(one, value, getattr(specs, field.name), is_leaf=is_quantized)
       setattr(self, field.name, nnx.data(value))
+    self.slot_major = isinstance(params, SlotParams)
 
   def moe_params(self) -> MoEParams:
-    """The parameters as a `MoEParams` of arrays (what `moe_layer` takes)."""
+    """The parameters as a `MoEParams` of arrays (what `moe_layer` takes); `SlotParams`
+    when the experts are slot-major."""
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEParams)}
-    return MoEParams(**jax.tree.map(lambda v: v[...], fields, is_leaf=_is_variable))
+    kind = SlotParams if self.slot_major else MoEParams
+    return kind(**jax.tree.map(lambda v: v[...], fields, is_leaf=_is_variable))
 
   def __call__(
-    self, x_BSD: Float[Array, "B S D"]
+    self,
+    x_BSD: Float[Array, "B S D"],
+    placement: Placement | StepPlacement | str | None = None,
   ) -> tuple[Float[Array, "B S D"], dict[str, Array]]:
-    """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`)."""
-    return moe_layer(self.moe_params(), x_BSD, self.cfg, mesh=self.mesh)
+    """Applies the layer: returns `(y_BSD, aux)` (see `moe_layer`; `placement` as there,
+    the one the experts were made for when they are slot-major)."""
+    return moe_layer(self.moe_params(), x_BSD, self.cfg, mesh=self.mesh, placement=placement)
+
+  def _replicate(self, params, placement, previous):
+    cfg = self.cfg
+    return replicate_experts(
+      params,
+      placement,
+      previous=previous,
+      mesh=self.mesh,
+      expert_axis=cfg.expert_axis,
+      expert_tensor_axis=cfg.expert_tensor_axis,
+      expert_fsdp_axis=cfg.expert_fsdp_axis,
+    )
+
+  def replicate_experts(
+    self,
+    placement: Placement,
+    *,
+    previous: Placement | None = None,
+    optimizer: nnx.Optimizer | None = None,
+    model: nnx.Module | None = None,
+  ) -> None:
+    """Makes the experts slot-major for `placement`, in place (`ms.replicate_experts`).
+
+    Args:
+      placement: the one-layer `Placement` to hold the experts on.
+      previous: the placement the experts are slot-major for (None, default: they are
+        logical).
+      optimizer: None (default), or the `nnx.Optimizer` of `model`: its state of this
+        module's experts (each `nnx.State` of it, e.g. Adam's mu and nu) moves the same way.
+      model: the module `optimizer` was made for, holding this one (default: this one).
+    """
+    if optimizer is not None:
+      path = _path_in(model if model is not None else self, self)
+      paths = self._expert_paths()
+      is_path = lambda x: isinstance(x, tuple)
+      for group in _expert_states(optimizer.opt_state, path + ("experts",)):
+        values = jax.tree.map(lambda at, g=group: g[at][...], paths, is_leaf=is_path)
+        # The moments in the parameters' place (MoEParams, or SlotParams when slot-major).
+        moments = dataclasses.replace(self.moe_params(), experts=values)
+        moved = self._replicate(moments, placement, previous).experts
+        for at, value in zip(jax.tree.leaves(paths, is_leaf=is_path), jax.tree.leaves(moved)):
+          group[at].set_value(value)
+    self._set_params(self._replicate(self.moe_params(), placement, previous))
+
+  def logical_params(self, placement: Placement) -> MoEParams:
+    """The logical parameters of slot-major experts (`ms.logical_params`)."""
+    cfg = self.cfg
+    return logical_params(
+      self.moe_params(),  # pyright: ignore[reportArgumentType] - refused unless SlotParams
+      placement,
+      mesh=self.mesh,
+      expert_axis=cfg.expert_axis,
+      expert_tensor_axis=cfg.expert_tensor_axis,
+      expert_fsdp_axis=cfg.expert_fsdp_axis,
+    )
+
+  def _expert_paths(self):
+    """The experts' tree with each leaf its path under `experts` (a tuple of names)."""
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: tuple(str(getattr(k, "name", getattr(k, "key", k))) for k in path),
+      self.moe_params().experts,
+    )
+
+
+def _path_in(model, module):
+  for path, node in nnx.iter_graph(model):
+    if node is module:
+      return tuple(path)
+  raise ValueError("MoE.replicate_experts: model must hold this module (got one that does not)")
+
+
+def _expert_states(opt_state, prefix):
+  """{leaf path under prefix: the optimizer variable} for each state of `opt_state` that
+  holds the variables under `prefix` (a model path), e.g. Adam's mu and nu."""
+  groups = {}
+  for path, var in jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=_is_variable):
+    keys = tuple(getattr(k, "key", None) for k in path)
+    for i in range(len(keys) - len(prefix) + 1):
+      if keys[i : i + len(prefix)] == prefix:
+        groups.setdefault(path[:i], {})[tuple(str(k) for k in keys[i + len(prefix) :])] = var
+        break
+  return list(groups.values())

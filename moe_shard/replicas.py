@@ -1,12 +1,17 @@
-"""Serving and planning from replicated experts: slot-major parameters, and a load recorder.
+"""Slot-major parameters (replicated experts, served and trained), and a load recorder.
 
 `replicate_experts(params, placement, mesh=mesh)` turns logical parameters (the routed
-experts [E, ...], what training and checkpoints hold) into `ServedParams`: the experts
-slot-major [S, ...], slot s holding expert `placement.phy2log[s]`, split over the expert axis
-(S / N slots a device), the rest as it was. `moe_layer(served, x, cfg, placement=placement)`
-runs on them with no weight movement. Given slot-major parameters and the placement they
-were made for (`previous=`), it moves them to a new placement, sending only the slots whose
-expert changes, each from a device that holds it (its own first).
+experts [E, ...], what checkpoints hold) into `SlotParams`: the experts slot-major [S, ...],
+slot s holding expert `placement.phy2log[s]`, split over the expert axis (S / N slots a
+device), the rest as it was. `moe_layer(slots, x, cfg, placement=placement)` runs on them
+with no weight movement, and its backward gives every replica its expert's whole gradient
+(`parallel.tie_replicas`), so they train: an elementwise optimizer keeps the replicas
+equal. Given slot-major parameters (or any slot-major tree: optimizer moments) and the
+placement they were made for (`previous=`), it moves them to a new placement, sending only
+the slots whose expert changes, each from a device that holds it (its own first);
+`move_replicas` does that to every `SlotParams` of a pytree (an optimizer state) at once.
+`logical_params` takes the logical experts back ([E, ...], one replica each), and
+`logical_global_norm` is the global norm counting each expert once.
 
 `LoadWindow` keeps the expert loads of the last steps per layer (`aux["expert_load"]`), the
 load to plan a placement from (`plan_placement(window.load(), ...)`).
@@ -35,9 +40,13 @@ from moe_shard.sharding import EXPERT, axis_size, place, resolve_mesh
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ServedParams(MoEParams):
+class SlotParams(MoEParams):
   """`MoEParams` whose routed experts are slot-major: [S, ...], slot s holding expert
-  `phy2log[s]` of the placement they were made for (`replicate_experts`)."""
+  `phy2log[s]` of the placement they were made for (`replicate_experts`). A serving and a
+  training state: the layer gives every replica its expert's whole gradient."""
+
+
+ServedParams = SlotParams  # the name before slot-major parameters trained
 
 
 def replicate_experts(
@@ -49,24 +58,25 @@ def replicate_experts(
   expert_axis: str | tuple[str, ...] = EXPERT,
   expert_tensor_axis: str | None = None,
   expert_fsdp_axis: str | None = None,
-) -> ServedParams:
+) -> SlotParams:
   """Returns the routed experts slot-major for `placement`, placed on the mesh.
 
   Args:
-    params: `MoEParams` with the E logical experts, or `ServedParams` on the placement
-      `previous`.
+    params: `MoEParams` with the E logical experts, or `SlotParams` on the placement
+      `previous` (parameters, or a slot-major tree of the same structure such as an
+      optimizer's moments of them).
     placement: a one-layer `Placement` of the E experts over S slots (S divisible by the
       expert axis size).
     mesh: the mesh (default None: the mesh in scope; without one, on the default device).
       The experts' weights are taken as split over its expert axis, as `init_moe_params`
       places them, and the slots come back split the same way (S / N a device).
-    previous: with `ServedParams`, the placement they were made for (required then;
+    previous: with `SlotParams`, the placement they were made for (required then;
       with logical `MoEParams`, an error).
     expert_axis, expert_tensor_axis, expert_fsdp_axis: the `MoEConfig` fields of the same
       names (defaults "expert", None, None), as the layer splits the weights.
 
   Returns:
-    `ServedParams`: `params` with experts [S, ...]. On a mesh, every slot of a device
+    `SlotParams`: `params` with experts [S, ...]. On a mesh, every slot of a device
     comes from a device that holds its expert: a copy on the device itself where it can,
     else one `ragged_all_to_all` (emulated on CPU) that sends just those slots.
 
@@ -78,15 +88,15 @@ def replicate_experts(
   fn = "replicate_experts"
   if not isinstance(params, MoEParams):
     raise TypeError(f"{fn}: params must be a MoEParams (got {type(params).__name__})")
-  served = isinstance(params, ServedParams)
+  served = isinstance(params, SlotParams)
   if served and previous is None:
     raise ValueError(
-      f"{fn}: params are slot-major (ServedParams): pass the placement they were made for "
+      f"{fn}: params are slot-major (SlotParams): pass the placement they were made for "
       f"as previous="
     )
   if not served and previous is not None:
     raise ValueError(
-      f"{fn}: previous= names the placement slot-major params (ServedParams) were made "
+      f"{fn}: previous= names the placement slot-major params (SlotParams) were made "
       f"for; params are logical (MoEParams): leave previous out"
     )
   if not isinstance(placement, Placement):
@@ -112,7 +122,144 @@ def replicate_experts(
     experts = jax.tree.map(lambda a, s: place(a, mesh, s), params.experts, specs)
     experts = _gather(mesh, expert_axis, n, specs, src_dev, src_row)(experts)
   fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(MoEParams)}
-  return ServedParams(**dict(fields, experts=experts))
+  return SlotParams(**dict(fields, experts=experts))
+
+
+def move_replicas(
+  tree: Any,
+  placement: Placement,
+  *,
+  previous: Placement,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
+) -> Any:
+  """Moves every `SlotParams` of a pytree from `previous` to `placement`.
+
+  For an optimizer state (Adam's moments are `SlotParams` like the parameters), or a tuple
+  of parameters and optimizer state, in one call; each `SlotParams` as
+  `replicate_experts(t, placement, previous=previous, ...)`, every other leaf as it is.
+
+  Args:
+    tree: any pytree; its `SlotParams` nodes are on `previous`.
+    placement, previous, mesh, expert_axis, expert_tensor_axis, expert_fsdp_axis: as in
+      `replicate_experts`.
+
+  Returns:
+    `tree` with each `SlotParams` on `placement`.
+  """
+  move = functools.partial(
+    replicate_experts,
+    placement=placement,
+    previous=previous,
+    mesh=mesh,
+    expert_axis=expert_axis,
+    expert_tensor_axis=expert_tensor_axis,
+    expert_fsdp_axis=expert_fsdp_axis,
+  )
+  is_slots = lambda t: isinstance(t, SlotParams)
+  return jax.tree.map(lambda t: move(t) if is_slots(t) else t, tree, is_leaf=is_slots)
+
+
+def logical_params(
+  params: SlotParams,
+  placement: Placement,
+  *,
+  mesh: Mesh | AbstractMesh | None = None,
+  expert_axis: str | tuple[str, ...] = EXPERT,
+  expert_tensor_axis: str | None = None,
+  expert_fsdp_axis: str | None = None,
+) -> MoEParams:
+  """The logical parameters of slot-major ones: expert e from its first slot, [E, ...].
+
+  For checkpoints (`hf.save_moe_layers`), norms and evaluation on logical parameters. On a
+  mesh each device receives its E / N experts from the devices holding their first slots
+  (a local copy where it holds one), split over the expert axis as `init_moe_params` places
+  them. The replicas of a slot-major tree the layer trained are equal, so any one would do.
+
+  Args:
+    params: `SlotParams` made for `placement` (parameters, or a slot-major tree of the same
+      structure, such as gradients or an optimizer's moments).
+    placement: the one-layer `Placement` they were made for.
+    mesh, expert_axis, expert_tensor_axis, expert_fsdp_axis: as in `replicate_experts`.
+
+  Returns:
+    `MoEParams` with experts [E, ...].
+
+  Raises:
+    TypeError, ValueError: `params` not `SlotParams` (logical `MoEParams` refused), or a
+      placement that does not match them.
+  """
+  fn = "logical_params"
+  if not isinstance(params, SlotParams):
+    raise TypeError(
+      f"{fn}: params must be slot-major SlotParams (from replicate_experts); got "
+      f"{type(params).__name__}, which is not slot-major"
+    )
+  if not isinstance(placement, Placement):
+    raise TypeError(f"{fn}: placement must be a Placement (got {type(placement).__name__})")
+  E = placement.num_experts
+  mesh = resolve_mesh(fn, mesh, expert_axis, required=False)
+  n = 1 if mesh is None else axis_size(mesh, expert_axis)
+  placement = check_placement(fn, placement, E, n)
+  first = jax.tree.leaves(params.experts)[0].shape[0]
+  if first != placement.num_slots:
+    raise ValueError(
+      f"{fn}: params.experts must hold the placement's {placement.num_slots} slots on "
+      f"axis 0 (got {first})"
+    )
+  phy2log = np.asarray(placement.phy2log)
+  _, first_slot_E = np.unique(phy2log, return_index=True)  # expert e's first slot
+  Ls = placement.num_slots // n
+  if mesh is None:
+    experts = jax.tree.map(lambda a: a[jnp.asarray(first_slot_E)], params.experts)
+  else:
+    specs = split_specs(params.experts, expert_axis, expert_tensor_axis, expert_fsdp_axis)
+    experts = jax.tree.map(lambda a, s: place(a, mesh, s), params.experts, specs)
+    src_dev, src_row = (first_slot_E // Ls).astype(np.int32), (first_slot_E % Ls).astype(np.int32)
+    experts = _gather(mesh, expert_axis, n, specs, src_dev, src_row)(experts)
+  fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(MoEParams)}
+  return MoEParams(**dict(fields, experts=experts))
+
+
+def logical_global_norm(tree: Any, placement: Placement) -> jax.Array:
+  """The global L2 norm of a pytree counting each expert of its `SlotParams` once.
+
+  `optax.global_norm` of slot-major gradients counts an expert with c replicas c times
+  (every replica holds its whole gradient). Here slot s's squares are weighted by
+  1 / logcnt[phy2log[s]]: the norm of the logical gradients, computed where the slots are
+  (a placement passed traced works), for clipping (docs/guides/skew.md).
+
+  Args:
+    tree: a pytree; the experts of its `SlotParams` nodes are slot-major for `placement`
+      (a placement of L layers: experts [L, S, ...]), every other leaf counts as it is.
+    placement: the `Placement` of the slots.
+
+  Returns:
+    f32[] the norm.
+  """
+  cnt_S = jnp.take_along_axis(
+    jnp.asarray(placement.logcnt), jnp.asarray(placement.phy2log), axis=-1
+  ).astype(jnp.float32)
+  weight = 1.0 / jnp.maximum(cnt_S, 1.0)  # [S] or [L, S]
+  is_slots = lambda t: isinstance(t, SlotParams)
+
+  def squares(t):
+    if not is_slots(t):
+      return [jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(t)]
+    rest = dataclasses.replace(t, experts=None)
+    out = [jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(rest)]
+    for a in jax.tree.leaves(t.experts):
+      sq = jnp.square(a.astype(jnp.float32)).reshape(weight.shape + (-1,))
+      out.append(jnp.sum(weight[..., None] * sq))
+    return out
+
+  total = sum(
+    (x for t in jax.tree.leaves(tree, is_leaf=is_slots) for x in squares(t)),
+    start=jnp.zeros((), jnp.float32),
+  )
+  return jnp.sqrt(total)
 
 
 def _sources(placement, previous, n, rows):
@@ -161,7 +308,9 @@ class LoadWindow:
   `record(aux["expert_load"])` after each step (an i32[E] of one layer or [L, E] of a
   stack, device arrays kept as they are: nothing is copied to the host until `load()`);
   `load()` sums the window, oldest steps dropped. vLLM counts the same way (a window of
-  1000 steps, re-planned every 3000).
+  1000 steps, re-planned every 3000). Loads are counts or weights: integer loads sum as
+  int64, float ones (e.g. a router's mean probabilities) as float64; none may be negative
+  or non-finite.
 
   Args:
     num_experts: E.
@@ -183,18 +332,48 @@ class LoadWindow:
     return (self.num_experts,) if self.num_layers is None else (self.num_layers, self.num_experts)
 
   def record(self, expert_load: Any) -> None:
-    """Adds one step's load (i32[E], or [L, E] with layers)."""
+    """Adds one step's load (i32[E], or [L, E] with layers; or floats).
+
+    Raises:
+      TypeError: a load that is not a real-number array.
+      ValueError: the wrong shape, or (checked here for host arrays, at `load()` for
+        device arrays) a negative or non-finite value.
+    """
+    fn = "LoadWindow.record"
     shape = tuple(np.shape(expert_load))
     if shape != self.shape:
-      raise ValueError(f"LoadWindow.record: expert_load must have shape {self.shape} (got {shape})")
+      raise ValueError(f"{fn}: expert_load must have shape {self.shape} (got {shape})")
+    dtype = getattr(expert_load, "dtype", None)
+    dtype = np.asarray(expert_load).dtype if dtype is None else np.dtype(dtype)
+    if not (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)):
+      raise TypeError(f"{fn}: expert_load must hold integers or floats (got {dtype})")
+    if not isinstance(expert_load, jax.Array):  # host data: checked now, for free
+      _check_load(fn, np.asarray(expert_load), len(self._steps))
     self._steps.append(expert_load)
 
   def __len__(self) -> int:
     return len(self._steps)
 
   def load(self) -> np.ndarray:
-    """int64[E] (or [L, E]): the loads of the steps in the window, summed (zeros if none)."""
-    total = np.zeros(self.shape, np.int64)
-    for step in self._steps:
-      total += np.asarray(step, np.int64)
+    """int64[E] (or [L, E]): the loads of the steps in the window, summed (zeros if none);
+    float64 when any step's load is floats.
+
+    Raises:
+      ValueError: a step's load holds a negative or non-finite value (named by its step).
+    """
+    steps = [np.asarray(step) for step in self._steps]
+    floats = any(np.issubdtype(step.dtype, np.floating) for step in steps)
+    total = np.zeros(self.shape, np.float64 if floats else np.int64)
+    for i, step in enumerate(steps):
+      _check_load("LoadWindow.load", step, i)
+      total += step.astype(total.dtype)
     return total
+
+
+def _check_load(fn, load, step):
+  bad = ~np.isfinite(load) | (load < 0) if np.issubdtype(load.dtype, np.floating) else load < 0
+  if np.any(bad):
+    value = load[np.unravel_index(int(np.argmax(bad)), load.shape)]
+    raise ValueError(
+      f"{fn}: a load must be finite and >= 0 (step {step} of the window holds {value})"
+    )

@@ -12,6 +12,7 @@ import pytest
 
 import moe_shard as ms
 from moe_shard import placement as pl
+from moe_shard import planning, replica_rule
 
 
 def test_from_phy2log_builds_eplb_arrays():
@@ -75,8 +76,8 @@ def test_keep_home_by_hand():
 def test_plan_on_device_follows_keep_home(seed):
   # The same rule written twice (NumPy on the host, jnp in the step); integer loads.
   load = np.random.default_rng(seed).zipf(1.5, size=16).astype(np.int64) * 7 + seed
-  want = pl.keep_home_packing(load, 4, 2)
-  got = jax.jit(lambda a: pl.plan_on_device(a, 4, 2))(jnp.asarray(load, jnp.int32))
+  want = planning.keep_home_packing(load, 4, 2)
+  got = jax.jit(lambda a: replica_rule.plan_on_device(a, 4, 2))(jnp.asarray(load, jnp.int32))
   np.testing.assert_array_equal(got.phy2log, want)
   p = ms.Placement.from_phy2log(want, 16)
   np.testing.assert_array_equal(got.logcnt, p.logcnt)
@@ -90,13 +91,13 @@ def test_choose_replicas_own_device_first_else_in_turn():
   e = jnp.array([[0], [0], [2], [2], [2], [1], [-1], [3]])
   # Device 0: expert 0 local (slot 0); expert 2 not local: its items 0, 1, 2 go to
   # replicas (r + 0) mod 2 -> slots 3, 5, 3; expert 1 slot 1; invalid ids -1.
-  got = pl.choose_replicas(e, p.log2phy, p.logcnt, 2, chip=0)
+  got = replica_rule.choose_replicas(e, p.log2phy, p.logcnt, 2, chip=0)
   np.testing.assert_array_equal(got[:, 0], [0, 0, 3, 5, 3, 1, -1, -1])
   # Device 1 holds expert 0 (slot 2) and expert 2 (slot 3).
-  got = pl.choose_replicas(e, p.log2phy, p.logcnt, 2, chip=1)
+  got = replica_rule.choose_replicas(e, p.log2phy, p.logcnt, 2, chip=1)
   np.testing.assert_array_equal(got[:, 0], [2, 2, 3, 3, 3, 1, -1, -1])
   # No device: every expert's items in turn from replica 0.
-  got = pl.choose_replicas(e, p.log2phy, p.logcnt, 2)
+  got = replica_rule.choose_replicas(e, p.log2phy, p.logcnt, 2)
   np.testing.assert_array_equal(got[:, 0], [0, 2, 3, 5, 3, 1, -1, -1])
 
 
@@ -105,11 +106,11 @@ def test_choose_replicas_spreads_evenly():
   # device 0's start (0) differs from device 4's (4 mod 3 = 1).
   p = ms.Placement.from_phy2log(np.array([1, 0, 0, 0, 2]), 3)
   e = jnp.zeros((50, 2), jnp.int32)
-  slots = pl.choose_replicas(e, p.log2phy, p.logcnt, 1, chip=0)
+  slots = replica_rule.choose_replicas(e, p.log2phy, p.logcnt, 1, chip=0)
   np.testing.assert_array_equal(
     np.bincount(np.asarray(slots).ravel(), minlength=5), [0, 34, 33, 33, 0]
   )
-  slots = pl.choose_replicas(e, p.log2phy, p.logcnt, 1, chip=4)
+  slots = replica_rule.choose_replicas(e, p.log2phy, p.logcnt, 1, chip=4)
   assert int(slots[0, 0]) == 2
 
 
@@ -157,5 +158,63 @@ def test_choose_replicas_balanced_by_hand():
   p = ms.Placement.from_phy2log(np.array([0, 1, 0, 2, 0, 2]), 3)
   e = jnp.array([[0], [0], [2], [0], [1], [2], [0]])
   loads = jnp.array([[4, 1, 2], [1, 0, 0], [1, 0, 2]])
-  got = pl.choose_replicas(e, p.log2phy, p.logcnt, 2, chip=0, loads_NE=loads)
+  got = replica_rule.choose_replicas(e, p.log2phy, p.logcnt, 2, chip=0, loads_NE=loads)
   np.testing.assert_array_equal(got[:, 0], [0, 0, 3, 2, 1, 3, 4])
+
+
+def test_int64_arrays_out_of_int32_raise():
+  # EPLB returns int64: a value past int32 must not wrap into a valid one (2**32 - 1 would
+  # become the padding -1 of log2phy, 2**32 + 1 a count of 1).
+  p = ms.Placement.from_phy2log(np.array([0, 1, 0, 2]), 3)
+  log2phy = p.log2phy.astype(np.int64)
+  log2phy[log2phy < 0] = 2**32 - 1
+  with pytest.raises(ValueError, match=r"log2phy must hold int32 values \(got 4294967295"):
+    ms.Placement(p.phy2log.astype(np.int64), log2phy, p.logcnt.astype(np.int64))
+  logcnt = p.logcnt.astype(np.int64) + 2**32
+  with pytest.raises(ValueError, match=r"logcnt must hold int32 values"):
+    ms.Placement(p.phy2log, p.log2phy, logcnt)
+  same = ms.Placement(p.phy2log.astype(np.int64), p.log2phy.astype(np.int64), p.logcnt)
+  np.testing.assert_array_equal(same.log2phy, p.log2phy)
+
+
+def test_load_window_takes_float_loads_and_refuses_negative_ones():
+  w = ms.LoadWindow(num_experts=4)
+  w.record(np.array([0.9, 0.05, 0.03, 0.02]))
+  w.record(np.array([1, 0, 0, 0]))
+  np.testing.assert_allclose(w.load(), [1.9, 0.05, 0.03, 0.02])
+  assert w.load().dtype == np.float64
+  with pytest.raises(ValueError, match=r"finite and >= 0 \(step 2 of the window holds -1\)"):
+    w.record(np.array([1, -1, 0, 0]))
+  with pytest.raises(ValueError, match=r"finite and >= 0 \(step 2 of the window holds nan\)"):
+    w.record(np.array([1.0, np.nan, 0, 0]))
+  with pytest.raises(TypeError, match=r"integers or floats \(got bool\)"):
+    w.record(np.array([True, False, False, False]))
+  # A device array is checked when the window is read (no copy to the host at record).
+  w.record(jnp.array([0, -3, 0, 0]))
+  with pytest.raises(ValueError, match=r"step 2 of the window holds -3"):
+    w.load()
+  ints = ms.LoadWindow(num_experts=2)
+  ints.record(jnp.array([3, 4]))
+  assert ints.load().dtype == np.int64
+
+
+@pytest.mark.parametrize("keep_home", [False, True])
+def test_all_zero_load_plans_the_layout_of_no_placement(keep_home):
+  # An empty window's load: every device keeps its own experts, its redundant slots hold
+  # replicas of them, so every item stays where no placement sends it.
+  empty = ms.LoadWindow(num_experts=8).load()
+  p = ms.plan_placement(empty, num_slots=12, num_devices=4, keep_home=keep_home)
+  np.testing.assert_array_equal(p.phy2log, [0, 1, 0, 2, 3, 2, 4, 5, 4, 6, 7, 6])
+  # The per-device load under the replica rule equals the load without a placement.
+  experts = np.random.default_rng(0).integers(0, 8, (64, 2))
+  slots = np.asarray(
+    replica_rule.assign_slots(jnp.asarray(experts), p, np.arange(4), np.zeros(4, int))
+  )
+  per_device = np.bincount(slots.reshape(-1) // 3, minlength=4)  # 3 slots a device
+  np.testing.assert_array_equal(per_device, np.bincount(experts.reshape(-1) // 2, minlength=4))
+  # A stack: only the idle layer gets the layout; the other is planned.
+  both = ms.plan_placement(np.array([[0] * 8, [9, 1, 1, 1, 1, 1, 1, 1]]), 12, 4)
+  np.testing.assert_array_equal(both.phy2log[0], p.phy2log)
+  assert both.logcnt[1][0] == 5
+  with pytest.raises(ValueError, match=r"all zeros .* num_experts \(6\) divisible by num_devices"):
+    ms.plan_placement(np.zeros(6), num_slots=8, num_devices=4)

@@ -30,7 +30,7 @@ from cases import FAST_COMPILE, Mismatches, assert_close
 from test_layer_oracle import AUTO, DE, ED, EXPLICIT, _mesh, _oracle_key, _place, config, reference
 
 import moe_shard as ms
-from moe_shard import placement as placement_lib
+from moe_shard import replica_rule as rule_lib
 from moe_shard import replicas, sharding
 
 PLACEMENTS = {
@@ -220,11 +220,11 @@ def test_layer_on_placement_matches_float64_model(name):
   m.close(aux["aux_loss"], want_aux["aux_loss"], "aux_loss")
   np.testing.assert_array_equal(aux["expert_load"], want_aux["expert_load"])
   m.close(dx, want_dx, "dx")
-  if served:  # the slots' gradients summed per expert are the experts'
+  if served:  # every slot's gradient is its expert's whole gradient (replicas tied)
     phy2log = np.asarray(PLACEMENTS[which])
-    per_expert = lambda g: np.stack([np.asarray(g)[phy2log == e].sum(0) for e in range(E)])
-    fields = {f.name: getattr(dparams, f.name) for f in dataclasses.fields(ms.MoEParams)}
-    dparams = ms.MoEParams(**dict(fields, experts=jax.tree.map(per_expert, dparams.experts)))
+    fields = {f.name: getattr(want_dparams, f.name) for f in dataclasses.fields(ms.MoEParams)}
+    slots = jax.tree.map(lambda g: np.asarray(g)[phy2log], want_dparams.experts)
+    want_dparams = ms.ServedParams(**dict(fields, experts=slots))
   m.close_tree(dparams, want_dparams)
   m.check()
 
@@ -261,7 +261,7 @@ def test_step_plan_balances_zipf():
   before = load.reshape(N, -1).sum(1)
   placement, pays = jax.jit(lambda a: ms.StepPlacement(spare_slots=2).plan(a, N))(load)
   assert bool(pays)
-  slots = jax.jit(lambda e, p: placement_lib.assign_slots(e, p, np.arange(N)))(experts, placement)
+  slots = jax.jit(lambda e, p: rule_lib.assign_slots(e, p, np.arange(N)))(experts, placement)
   after = np.bincount(np.asarray(slots).ravel(), minlength=E + 2 * N).reshape(N, -1).sum(1)
   assert after.sum() == before.sum()
   assert _balancedness(before) < 0.45 and _balancedness(after) > 0.85
@@ -326,10 +326,13 @@ def test_layer_placement_errors():
     ms.replicate_experts(params, p, mesh=mesh, previous=p)
 
 
-def test_traced_placement_without_a_slot_counts_the_dropped_items():
+@pytest.mark.parametrize("impl", ["all_to_all", "ragged_dot"])
+def test_traced_placement_without_a_slot_counts_the_dropped_items(impl):
   # A placement passed to jit is data, not checked: expert 3 given no slot (its row of
-  # log2phy all -1) drops its items, and aux["dropped_items"] counts them.
-  cfg = config(num_shared_experts=0, impl="all_to_all", gmm_impl="ragged_dot")
+  # log2phy all -1) drops its items. With top-1 routing each of them is a token that
+  # reaches no routed expert: counted in dropped_items and dropped_tokens, not in
+  # expert_load (nothing computed them), and their routed output is zero.
+  cfg = config(num_shared_experts=0, impl=impl, gmm_impl="ragged_dot", top_k=1)
   mesh = _mesh((2, 4), DE, EXPLICIT)
   params = ms.init_moe_params(jax.random.key(0), cfg, mesh=mesh)
   x = jax.random.normal(jax.random.key(1), (8, 2, cfg.d_model))
@@ -339,13 +342,22 @@ def test_traced_placement_without_a_slot_counts_the_dropped_items():
   log2phy[3], logcnt[3] = -1, 0
   run = jax.jit(lambda p, x, placement: ms.moe_layer(p, x, cfg, mesh, placement=placement))
   with jax.set_mesh(mesh):
-    _, aux = jax.jit(
+    y, aux = jax.jit(
       lambda p, x, a, b, c: ms.moe_layer(p, x, cfg, mesh, placement=ms.Placement(a, b, c))
     )(params, x, phy2log, log2phy, logcnt)
-    _, base = run(params, x, None)
-  assert int(aux["expert_load"][3]) > 0
-  assert int(aux["dropped_items"]) == int(aux["expert_load"][3])
-  assert int(base["dropped_items"]) == 0
+    y_base, base = run(params, x, None)
+  routed_to_3 = int(base["expert_load"][3])
+  assert routed_to_3 > 0
+  assert int(aux["expert_load"][3]) == 0
+  np.testing.assert_array_equal(np.delete(aux["expert_load"], 3), np.delete(base["expert_load"], 3))
+  assert int(aux["dropped_items"]) == routed_to_3
+  assert int(aux["dropped_tokens"]) == routed_to_3
+  assert int(base["dropped_items"]) == int(base["dropped_tokens"]) == 0
+  zero_rows = np.all(np.asarray(y) == 0, axis=-1)
+  assert int(zero_rows.sum()) == routed_to_3
+  np.testing.assert_allclose(
+    np.asarray(y)[~zero_rows], np.asarray(y_base)[~zero_rows], rtol=1e-5, atol=1e-6
+  )
 
 
 def test_placement_from_arrays_numpy_converts():

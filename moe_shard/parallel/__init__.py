@@ -17,7 +17,8 @@ With `expert_tensor_axis` each expert's hidden dimension F is also split over th
 (the rows a device computes are gathered over it and the partial outputs reduce-scattered),
 and with `expert_fsdp_axis` each weight matrix's last dimension is stored split over that axis
 (gathered once per call); `shared_mlp` runs the shared experts the same way, as a dense
-tensor-parallel MLP.
+tensor-parallel MLP. `tie_replicas` gives the replicas of slot-major expert weights their
+expert's whole gradient (`replicas.py`, with the fetch of a placement's slots).
 
 Modules: `common.py` (the layout of a call, its input checks and placement, and the
 weight-splitting steps every dispatch shares), `all_gather.py`, `all_to_all.py`,
@@ -30,6 +31,7 @@ from moe_shard.parallel.all_to_all import OVERFLOW_SCOPE, moe_all_to_all
 from moe_shard.parallel.dense import shared_mlp
 from moe_shard.parallel.ragged import RAGGED_SCOPE, moe_ragged_all_to_all
 from moe_shard.parallel.ragged_exchange import RAGGED_PLATFORMS, ragged_all_to_all_emulated
+from moe_shard.parallel.replicas import tie_replicas
 
 __all__ = [
   "OVERFLOW_SCOPE",
@@ -40,4 +42,5 @@ __all__ = [
   "moe_ragged_all_to_all",
   "ragged_all_to_all_emulated",
   "shared_mlp",
+  "tie_replicas",
 ]

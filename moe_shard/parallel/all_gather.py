@@ -96,7 +96,7 @@ def moe_all_gather(
     expert_fsdp_axis: None (default) or a mesh axis splitting the last dimension of every
       matrix of `w` (`MoEConfig.expert_fsdp_axis`): all-gathered once per call.
     placement: None (default) or a one-layer `Placement` of the E experts over S slots:
-      each item goes to a replica of its expert (`placement.choose_replicas`: one on its
+      each item goes to a replica of its expert (`replica_rule.choose_replicas`: one on its
       own device first, else spread evenly), computed by the device holding that slot. `w`
       holds the E logical experts, whose slots' weights are fetched from their owners
       inside the call (their gradients summed back), or, with `slot_weights`, the S slots.

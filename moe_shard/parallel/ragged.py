@@ -147,7 +147,7 @@ def moe_ragged_all_to_all(
       matrix of `w` (`MoEConfig.expert_fsdp_axis`): all-gathered once per call, before the
       rounds.
     placement: None (default) or a one-layer `Placement` of the E experts over S slots:
-      each item goes to a replica of its expert (`placement.choose_replicas`: one on its
+      each item goes to a replica of its expert (`replica_rule.choose_replicas`: one on its
       own device first, else spread evenly), and the dispatch runs over the slots, S / N a
       device. `w` holds the E logical experts, whose slots' weights are fetched from their
       owners inside the call (their gradients summed back), or, with `slot_weights`, the

@@ -2,7 +2,7 @@
 
 Inside a dispatch's `shard_map` body, a placement (`moe_shard.placement.Placement`) turns
 the call into one over S slots, S / N a device (`slot_inputs`): each item picks a replica
-(`placement.choose_replicas`, its own device first) and, when the weights are the logical
+(`replica_rule.choose_replicas`, its own device first) and, when the weights are the logical
 ones ([E, ...], L = E / N a device, as training holds them), each device fetches its slots'
 weights from the experts' owners (`fetch_slots`). The fetch is a `ragged_all_to_all` with
 one one-expert slice per (source, slot): bytes only for the slots whose expert another
@@ -18,15 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from moe_shard import placement as placement_lib
+from moe_shard import replica_rule
 from moe_shard.balance import expert_load
+from moe_shard.parallel.common import shard_map
 from moe_shard.parallel.ragged_exchange import ragged_exchange
+from moe_shard.placement import concrete
 from moe_shard.quant import is_quantized, stop_gradient
+from moe_shard.sharding import axis_size, place
 
 
 def gather_slots(leaf_R, src_dev_S, src_row_S, *, axis, n):
@@ -167,7 +173,7 @@ def grad_rows_bound(placement, num_experts, n):
   a traced one."""
   phy2log = placement.phy2log
   S, L = placement.num_slots, num_experts // n
-  if placement_lib._concrete(phy2log):
+  if concrete(phy2log):
     return max(L, int(np.bincount(np.asarray(phy2log) // L, minlength=n).max()))
   return S - num_experts + L
 
@@ -193,7 +199,7 @@ def slot_inputs(lay, placement, ffn, experts_TK, *, slot_weights, grad_rows):
   # Every device of the expert axis learns what the others route to each expert, so that
   # the replicas split each expert's load evenly (`choose_replicas`).
   loads_NE = jax.lax.all_gather(expert_load(experts_TK, E), lay.expert_axis)
-  slots_TK = placement_lib.choose_replicas(
+  slots_TK = replica_rule.choose_replicas(
     experts_TK, placement.log2phy, placement.logcnt, S // n, chip, loads_NE
   )
   if not slot_weights:
@@ -236,3 +242,162 @@ def _checks_divisible(fn, E, n, expert_axis):
   from moe_shard import _checks
 
   _checks.divisible(fn, "num_experts", E, f"the {expert_axis!r} axis size", n)
+
+
+# --------------------------------------------------------------------------- tied replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tie:
+  """Static facts of one replica tie (a custom_vjp nondiff argument)."""
+
+  mesh: Any  # None: one device (the sum is a segment sum, no collective)
+  axis: str | tuple[str, ...]
+  n: int  # N devices on the expert axis
+  reduce_rows: int  # most followers whose leader one device holds (0: nothing replicated)
+  return_rows: int  # most followers one device holds
+  spec: Any  # the leaf's PartitionSpec on the mesh
+
+
+def tie_bounds(placement, n):
+  """(reduce_rows, return_rows): the static buffer rows of `tie_replicas` on N devices.
+
+  A slot's leader is its expert's first slot; the others are followers. Exact for a
+  placement known while tracing; S - E (every redundant slot a follower) for a traced one.
+  """
+  phy2log = placement.phy2log
+  if not concrete(phy2log):
+    bound = placement.num_slots - placement.num_experts
+    return bound, bound
+  p = np.asarray(phy2log)
+  S = p.shape[0]
+  Ls = S // n
+  _, first = np.unique(p, return_index=True)
+  leader = first[np.searchsorted(np.unique(p), p)]
+  follower = leader != np.arange(S)
+  reduce_rows = np.bincount(leader[follower] // Ls, minlength=n).max(initial=0)
+  return_rows = np.bincount(np.flatnonzero(follower) // Ls, minlength=n).max(initial=0)
+  return int(reduce_rows), int(return_rows)
+
+
+def tie_replicas(ffn_S, placement, *, mesh, expert_axis, specs):
+  """Slot-major expert weights whose every replica gets its expert's whole gradient.
+
+  The forward is the identity. In the backward each slot's gradient becomes the sum of the
+  gradients of every slot holding the same expert (`placement.phy2log`): the logical
+  expert's gradient, on each of its replicas. So an elementwise optimizer keeps the
+  replicas equal, and a step on slot-major parameters is the step on the logical ones.
+  On a mesh the sum is two `ragged_all_to_all`s over the expert axis (emulated on CPU): each
+  follower slot (not its expert's first) sends its gradient to its leader's device, which
+  adds them, and the leader sends the sum back; bytes only for replicated experts.
+
+  Args:
+    ffn_S: the expert FFN over the S slots, slot axis first (split over `expert_axis` on a
+      mesh). Quantized matrices are frozen: passed through.
+    placement: the one-layer `Placement` the slots were made for (traced or constant).
+    mesh: the mesh, or None (one device).
+    expert_axis: the mesh axis (or tuple of axes) the slots are split over.
+    specs: the `PartitionSpec`s of `ffn_S`'s leaves on the mesh (a pytree like it).
+
+  Returns:
+    `ffn_S`, whose gradients are summed over replicas.
+  """
+  n = 1 if mesh is None else axis_size(mesh, expert_axis)
+  reduce_rows, return_rows = tie_bounds(placement, n)
+  if reduce_rows == 0:
+    return ffn_S  # no expert has two slots (or S = E): nothing to sum
+  phy2log = jnp.asarray(placement.phy2log, jnp.int32)
+  leaves, treedef = jax.tree.flatten(ffn_S, is_leaf=is_quantized)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P) or is_quantized(s))
+  out = []
+  for leaf, spec in zip(leaves, spec_leaves):
+    if is_quantized(leaf):  # frozen
+      out.append(leaf)
+      continue
+    cfg = _Tie(None if n == 1 else mesh, expert_axis, n, reduce_rows, return_rows, spec)
+    out.append(_tie(cfg, leaf, phy2log))
+  return jax.tree.unflatten(treedef, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tie(cfg, leaf_S, phy2log_S):
+  del cfg, phy2log_S
+  return leaf_S
+
+
+def _tie_fwd(cfg, leaf_S, phy2log_S):
+  del cfg
+  return leaf_S, phy2log_S
+
+
+def _tie_bwd(cfg, phy2log_S, d_S):
+  if cfg.mesh is None:  # one device: a segment sum over the slots of each expert
+    total = jnp.zeros_like(d_S).at[phy2log_S].add(d_S)
+    return total[phy2log_S], None
+  body = functools.partial(_sum_replicas, cfg=cfg)
+  fn = shard_map(body, cfg.mesh, in_specs=(cfg.spec, P()), out_specs=cfg.spec)
+  return fn(place(d_S, cfg.mesh, cfg.spec), phy2log_S), None
+
+
+_tie.defvjp(_tie_fwd, _tie_bwd)
+
+
+def _sum_replicas(d_J, phy2log_S, *, cfg):
+  """Per device: this device's J = S / N slots' gradients, each replaced by its expert's sum."""
+  n, S = cfg.n, phy2log_S.shape[0]
+  J = S // n
+  me = jax.lax.axis_index(cfg.axis)
+  s_S = jnp.arange(S, dtype=jnp.int32)
+  same_SS = phy2log_S[:, None] == phy2log_S[None, :]
+  leader_S = jnp.argmax(same_SS, axis=1).astype(jnp.int32)  # the expert's first slot
+  follower_S = leader_S != s_S
+  lead_dev_S = leader_S // J
+  earlier_SS = s_S[None, :] < s_S[:, None]
+  mine = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=me * J, slice_size=J)
+  exchange = functools.partial(ragged_exchange, axis=cfg.axis)
+  at_NJ = jnp.broadcast_to(jnp.arange(J, dtype=jnp.int32), (n, J)).reshape(-1)
+  peers_N1 = jnp.arange(n)[:, None]
+  # Reduce: each follower's gradient goes to its leader's device, at its rank among the
+  # followers whose leader is there (slot order); the leader adds them.
+  G = cfg.reduce_rows
+  rank_S = jnp.sum(
+    earlier_SS & follower_S[None, :] & (lead_dev_S[None, :] == lead_dev_S[:, None]), 1
+  )
+  send_NJ = (mine(lead_dev_S)[None, :] == peers_N1) & mine(follower_S)[None, :]
+  recv_NJ = (follower_S & (lead_dev_S == me)).reshape(n, J)
+  buf_GX = exchange(
+    d_J,
+    jnp.zeros((G,) + d_J.shape[1:], d_J.dtype),
+    at_NJ,
+    send_NJ.reshape(-1).astype(jnp.int32),
+    jnp.broadcast_to(mine(rank_S), (n, J)).reshape(-1).astype(jnp.int32),
+    recv_NJ.reshape(-1).astype(jnp.int32),
+    rows_per_peer=min(J, G),
+  )
+  (came_G,) = jnp.nonzero(follower_S & (lead_dev_S == me), size=G, fill_value=0)
+  for g in range(G):  # padding rows are zeros: adding them changes nothing
+    row = leader_S[came_G[g]] % J
+    d_J = jax.lax.dynamic_update_index_in_dim(d_J, d_J[row] + buf_GX[g], row, 0)
+  # Return: each leader sends its sum to its followers' devices, into their rows.
+  R = cfg.return_rows
+  own_rank_S = jnp.sum(
+    earlier_SS & follower_S[None, :] & (s_S[None, :] // J == s_S[:, None] // J), 1
+  )
+  send_NJ = (follower_S & (lead_dev_S == me)).reshape(n, J)
+  recv_NJ = (mine(lead_dev_S)[None, :] == peers_N1) & mine(follower_S)[None, :]
+  sums_RX = exchange(
+    d_J,
+    jnp.zeros((R,) + d_J.shape[1:], d_J.dtype),
+    (leader_S % J).astype(jnp.int32),
+    send_NJ.reshape(-1).astype(jnp.int32),
+    own_rank_S.astype(jnp.int32),
+    recv_NJ.reshape(-1).astype(jnp.int32),
+    rows_per_peer=min(J, R),
+  )
+  (mine_R,) = jnp.nonzero(mine(follower_S), size=R, fill_value=0)
+  count = jnp.sum(mine(follower_S))
+  for r in range(R):
+    row = mine_R[r]
+    value = jnp.where(r < count, sums_RX[r], d_J[row])
+    d_J = jax.lax.dynamic_update_index_in_dim(d_J, value, row, 0)
+  return d_J
