@@ -117,6 +117,22 @@ CASES = {
     False,
     True,
   ),
+  # Slot-major on the same axes: each slot's gradient, summed over its expert's replicas,
+  # moves as the shards it is stored in.
+  "ragged-tensor-one_chip-served-traced": (
+    dict(impl="ragged_all_to_all", gmm_impl="ragged_dot", expert_tensor_axis="data"),
+    ((2, 4), DE, EXPLICIT),
+    "one_chip",
+    True,
+    True,
+  ),
+  "all_to_all-fsdp-one_hot-served-constant": (
+    dict(impl="all_to_all", gmm_impl="ragged_dot", expert_fsdp_axis="data"),
+    ((2, 4), DE, EXPLICIT),
+    "one_hot",
+    True,
+    False,
+  ),
   "step-all_to_all": (
     dict(impl="all_to_all", gmm_impl="ragged_dot"),
     ((2, 4), DE, EXPLICIT),

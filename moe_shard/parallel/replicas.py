@@ -32,7 +32,7 @@ from moe_shard.parallel.common import shard_map
 from moe_shard.parallel.ragged_exchange import ragged_exchange
 from moe_shard.placement import concrete
 from moe_shard.quant import is_quantized, stop_gradient
-from moe_shard.sharding import axis_size, place
+from moe_shard.sharding import axis_size, explicit_mesh, like, place
 
 
 def gather_slots(leaf_R, src_dev_S, src_row_S, *, axis, n):
@@ -334,9 +334,13 @@ def _tie_bwd(cfg, phy2log_S, d_S):
   if cfg.mesh is None:  # one device: a segment sum over the slots of each expert
     total = jnp.zeros_like(d_S).at[phy2log_S].add(d_S)
     return total[phy2log_S], None
+  spec = cfg.spec
+  if explicit_mesh(d_S)[1]:  # on an Explicit mesh: the cotangent's own layout, if it can
+    own = jax.typeof(d_S).sharding.spec
+    spec = own if own and own[0] == spec[0] else spec
   body = functools.partial(_sum_replicas, cfg=cfg)
-  fn = shard_map(body, cfg.mesh, in_specs=(cfg.spec, P()), out_specs=cfg.spec)
-  return fn(place(d_S, cfg.mesh, cfg.spec), phy2log_S), None
+  fn = shard_map(body, cfg.mesh, in_specs=(spec, P()), out_specs=spec)
+  return like(fn(place(d_S, cfg.mesh, spec), phy2log_S), d_S), None
 
 
 _tie.defvjp(_tie_fwd, _tie_bwd)
