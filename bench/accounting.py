@@ -382,6 +382,26 @@ def placed(fn, case, on_tpu, impl):
   return acc, chip_rows(slots, len(phy2log), case)
 
 
+def step_branch(case):
+  """The case as the per-step placement's `lax.cond` runs it: with the plan the host makes
+  from the case's load (`host_phy2log`) as a `Placement` where it pays, else with none.
+  The benchmark measures that program's FLOPs, bytes and collectives (the branch that
+  runs), and the memory of the program with both branches."""
+  phy2log = host_phy2log(case)
+  N = case.mesh.shape[EXPERT]
+  if np.array_equal(phy2log, step_home(case.E, N, phy2log)):
+    return dataclasses.replace(case, placement=None)
+  return dataclasses.replace(case, placement=ms.Placement.from_phy2log(phy2log, case.E))
+
+
+def step_home(E, N, phy2log):
+  """The per-step plan's layout when it does not pay: each device's redundant slots hold
+  its first expert."""
+  L, J = E // N, len(phy2log) // N - E // N
+  home = np.arange(E).reshape(N, L)
+  return np.concatenate([home, np.repeat(home[:, :1], J, axis=1)], axis=1).reshape(-1)
+
+
 def chip_rows(ids_TK, num_ids, case):
   """int[devices]: the items device (e, m) computes: those the tokens of devices (., m)
   route to the experts (or slots) of expert-axis position e."""
@@ -488,8 +508,7 @@ def step_plan(load, N, J, rows_per_moved, M=1):
   moved = max(int(away.sum(axis=1).max()), int(sent.max()))
   if (before - after) / M > rows_per_moved * moved:
     return planned.reshape(-1)
-  home = np.arange(E).reshape(N, L)
-  return np.concatenate([home, np.repeat(home[:, :1], J, axis=1)], axis=1).reshape(-1)
+  return step_home(E, N, planned.reshape(-1))
 
 
 def fetch_bytes(case, phy2log):

@@ -143,6 +143,7 @@ def op_bytes(compiled_or_text, trip_counts=None):
           scope=_scope(ins.attrs),
           opcode=ins.opcode,
           name=ins.name,
+          computation=comp,
           shape=ins.type.split("{")[0],
           runs=n,
           read=read,
@@ -204,8 +205,8 @@ def grouped_kernels(compiled_or_text, trip_counts=None):
 def executed_bytes(compiled, trip_counts=None, rows=None):
   """HBM bytes one run of `compiled` accesses, loop bodies times their trip counts.
 
-  executed = XLA's "bytes accessed" + sum over ops of bytes per run * (runs - 1); see the
-  module docstring. A loop with no trip count known or given counts once (as XLA does).
+  executed = XLA's "bytes accessed" + sum over ops of bytes per run * (runs - counted); see
+  the module docstring (counted: 1, or 0 in a conditional branch XLA did not count). A loop with no trip count known or given counts once (as XLA does).
   `rows`: `op_bytes(compiled, trip_counts)` when the caller has it already.
 
   Returns:
@@ -214,7 +215,14 @@ def executed_bytes(compiled, trip_counts=None, rows=None):
   """
   xla = measure.bytes_accessed(compiled)
   rows = op_bytes(compiled, trip_counts) if rows is None else rows
-  executed = xla + sum((r["read"] + r["written"]) * (r["runs"] - 1) for r in rows)
+  per_comp = collections.Counter()
+  for r in rows:
+    per_comp[r["computation"]] += r["read"] + r["written"]
+  # XLA counts one branch of a conditional (its costliest), every other computation once.
+  counted = measure.xla_counted(measure._module(compiled), per_comp)
+  executed = xla + sum(
+    (r["read"] + r["written"]) * (r["runs"] - counted.get(r["computation"], 1.0)) for r in rows
+  )
   return {
     "executed": executed,
     "xla": xla,

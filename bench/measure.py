@@ -215,6 +215,38 @@ class WhileLoop:
     return all(any(p == o for p in rest) for o in outer)
 
 
+@dataclasses.dataclass
+class Conditional:
+  """One conditional instruction: its branches in index order, and its scope."""
+
+  name: str
+  parent: str
+  branches: list  # branch computations; a pred conditional: [false, true]
+  op_name: str  # metadata op_name, e.g. "jit(f)/step_placement/cond"
+
+  def matches(self, key):
+    """Whether a `branch_key(scope)` key names this conditional: its scope (or a path of
+    scopes, as for loops) around it."""
+    if not key.endswith(BRANCH):
+      return False
+    parts = [_unwrap(p) for p in self.op_name.split("/")[:-1]]
+    *outer, last = key[: -len(BRANCH)].split("/")
+    if not parts or parts[-1] != last:
+      return False
+    rest = iter(parts[:-1])
+    return all(any(p == o for p in rest) for o in outer)
+
+
+BRANCH = ":branch"
+
+
+def branch_key(scope):
+  """The `trip_counts` key that says which branch the conditionals under `scope` take: its
+  value is the branch index (a `lax.cond`'s: 0 false, 1 true). Without one, every branch
+  counts as running as often as its caller."""
+  return scope + BRANCH
+
+
 def _unwrap(scope):
   # "transpose(jvp(gmm_tile_64))" -> "gmm_tile_64".
   while m := re.fullmatch(r"[\w]+\((.*)\)", scope):
@@ -229,12 +261,14 @@ class HloModule:
   Attributes:
     entry: name of the entry computation.
     calls: computation -> list of (callee, kind): kind is "while" for a while body, "cond"
-      for a while condition, "call" for anything else (fusion, call, conditional, reducer).
+      for a while condition, "branch" for a conditional's branch, "call" for anything else
+      (fusion, call, reducer).
     dot_flops: computation -> FLOPs of its own dot instructions.
     collectives: computation -> {kind: {"count", "operand_bytes", "result_bytes",
       "wire_bytes"}} for its own collective instructions.
     loops: the while instructions, in text order.
     comps: computation -> its `Instruction`s (for per-instruction tables, `bench/hbm.py`).
+    conditionals: the conditional instructions (`Conditional`), in text order.
   """
 
   entry: str
@@ -243,13 +277,15 @@ class HloModule:
   collectives: dict
   loops: list
   comps: dict = dataclasses.field(default_factory=dict)
+  conditionals: list = dataclasses.field(default_factory=list)
 
   def executions(self, trip_counts=None, default_trip_count=None):
     """Returns computation -> how many times it runs in one run of the program.
 
     Args:
       trip_counts: {scope: total iterations} for loops under `jax.named_scope(scope)`;
-        the count is the total over the whole run. Default None.
+        the count is the total over the whole run; and {`branch_key(scope)`: index} for
+        the conditionals under a scope: only that branch runs. Default None.
       default_trip_count: iterations per entry for a loop that has neither a known trip
         count nor a `trip_counts` entry (default None: raise).
 
@@ -258,6 +294,12 @@ class HloModule:
     """
     trip_counts = dict(trip_counts or {})
     by_body = {lp.body: lp for lp in self.loops}
+    taken = {}  # (conditional's computation, branch computation) -> runs with its caller
+    for cond in self.conditionals:
+      keys = [k for k in trip_counts if cond.matches(k)]
+      for i, branch in enumerate(cond.branches):
+        runs_it = not keys or int(trip_counts[max(keys, key=lambda k: k.count("/"))]) == i
+        taken[(cond.parent, branch)] = taken.get((cond.parent, branch), False) or runs_it
     # Kahn's order over the call graph (a DAG): a computation's count is final before
     # its callees get theirs.
     indegree = {}
@@ -270,7 +312,12 @@ class HloModule:
       comp = ready.pop()
       for callee, kind in self.calls.get(comp, ()):
         n = runs.get(comp, 0.0)
-        if kind == "while":
+        # A branch not taken, or a loop inside one (a computation that never runs).
+        if (kind == "branch" and not taken.get((comp, callee), True)) or (
+          kind == "while" and n == 0.0
+        ):
+          n = 0.0
+        elif kind == "while":
           lp = by_body[callee]
           key = _best_key(lp, trip_counts)
           if key is not None:
@@ -321,7 +368,7 @@ def parse_hlo(text):
   if entry is None:
     raise ValueError("measure: no ENTRY computation in the HLO text")
 
-  calls, dot_flops, collectives, loops = {}, {}, {}, []
+  calls, dot_flops, collectives, loops, conditionals = {}, {}, {}, [], []
   for comp, instrs in comps.items():
     types = {ins.name: ins.type for ins in instrs}
     flops = 0.0
@@ -347,11 +394,21 @@ def parse_hlo(text):
         if kind == "ragged-all-to-all":  # what may leave: its first operand, the data
           operand = shape_bytes(types.get(ins.operands[0], "")) if ins.operands else 0
         c["wire_bytes"] += _wire_bytes(kind, operand, result, _group_size(ins.attrs))
+      branches = []
       for key, callee in _CALLED_RE.findall(ins.attrs):
+        if key in ("true_computation", "false_computation"):
+          branches.insert(0 if key == "false_computation" else len(branches), callee)
+          continue
         kind_call = {"body": "while", "condition": "cond"}.get(key, "call")
         callees.append((callee, kind_call))
       for group in _BRANCHES_RE.findall(ins.attrs):
-        callees.extend((b.strip().lstrip("%"), "call") for b in group.split(",") if b.strip())
+        branches += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
+      if branches:
+        callees.extend((b, "branch") for b in branches)
+        op_name = _OPNAME_RE.search(ins.attrs)
+        conditionals.append(
+          Conditional(ins.name, comp, branches, op_name.group(1) if op_name else "")
+        )
       if ins.opcode == "while":
         body = re.search(r"\bbody=%?([\w.\-]+)", ins.attrs).group(1)
         cond = re.search(r"\bcondition=%?([\w.\-]+)", ins.attrs).group(1)
@@ -374,7 +431,25 @@ def parse_hlo(text):
   for lp in loops:
     if lp.known_trip_count is None:
       lp.known_trip_count = _counted_loop_trips(lp, comps)
-  return HloModule(entry, calls, dot_flops, collectives, loops, comps)
+  for cond in conditionals:
+    if not cond.op_name:
+      cond.op_name = _cond_op_name(cond, comps)
+  return HloModule(entry, calls, dot_flops, collectives, loops, comps, conditionals)
+
+
+_BRANCH_FUN_RE = re.compile(r"^(.*)/cond/branch_(\d+)_fun/")
+
+
+def _cond_op_name(cond, comps):
+  """A conditional's op_name when XLA left it none (seen on TPU for a `lax.cond`'s
+  forward): from its branches' own ops, which JAX names ".../cond/branch_<i>_fun/..."."""
+  for branch in cond.branches:
+    for ins in comps.get(branch, ()):
+      m = _OPNAME_RE.search(ins.attrs)
+      inner = _BRANCH_FUN_RE.match(m.group(1)) if m else None
+      if inner:
+        return inner.group(1) + "/cond"
+  return ""
 
 
 def _counted_loop_trips(loop, comps):
@@ -659,8 +734,8 @@ def _module(compiled_or_text):
 def executed_flops(compiled, trip_counts=None, *, default_trip_count=None):
   """FLOPs one run of `compiled` executes, loop bodies times their trip counts.
 
-  executed = cost_analysis()["flops"] + sum_c dot_flops(c) * (executions(c) - 1); see the
-  module docstring.
+  executed = cost_analysis()["flops"] + sum_c dot_flops(c) * (executions(c) - counted(c));
+  see the module docstring (counted(c): 1, or 0 for a conditional branch XLA did not count).
 
   Args:
     compiled: a `jax.stages.Compiled`.
@@ -677,7 +752,8 @@ def executed_flops(compiled, trip_counts=None, *, default_trip_count=None):
   runs = mod.executions(trip_counts, default_trip_count)
   own = _own_dot_flops(mod)
   xla = cost_flops(compiled)
-  executed = xla + sum(f * (runs.get(c, 0.0) - 1.0) for c, f in own.items())
+  counted = xla_counted(mod, own)
+  executed = xla + sum(f * (runs.get(c, 0.0) - counted.get(c, 0.0)) for c, f in own.items())
   loops = [
     {
       "scope": lp.scope(),
@@ -695,10 +771,41 @@ def executed_flops(compiled, trip_counts=None, *, default_trip_count=None):
   }
 
 
+def xla_counted(mod, own):
+  """{computation: 1 or 0}: whether XLA's `cost_analysis` counted a computation of `own`
+  ({computation: its cost}) once. It counts every computation once, and of a conditional
+  only its costliest branch (here: the one whose computations cost the most in `own`)."""
+
+  def reach(start, through):
+    seen, stack = {start}, [start]
+    while stack:
+      for callee, kind in mod.calls.get(stack.pop(), ()):
+        if callee not in seen and kind in through:
+          seen.add(callee)
+          stack.append(callee)
+    return seen
+
+  every = ("call", "while", "cond", "branch")
+  skipped = set()
+  for cond in mod.conditionals:
+    cost = [sum(own.get(c, 0.0) for c in reach(b, every)) for b in cond.branches]
+    best = int(np.argmax(cost))
+    skipped |= {b for i, b in enumerate(cond.branches) if i != best}
+  counted = reach(mod.entry, ("call", "while", "cond"))
+  stack = [c for c in counted]
+  while stack:  # into the branches XLA counted
+    for callee, kind in mod.calls.get(stack.pop(), ()):
+      if callee not in counted and (kind != "branch" or callee not in skipped):
+        counted.add(callee)
+        stack.append(callee)
+  return {c: 1.0 if c in counted else 0.0 for c in own}
+
+
 def _own_dot_flops(mod):
-  """Dot FLOPs of each computation that is an entry or loop body, including the fusions,
-  calls and conditionals it reaches without crossing a while loop."""
+  """Dot FLOPs of each unit (an entry, loop body or conditional branch), including the
+  fusions and calls it reaches without crossing a while loop or a conditional."""
   roots = {mod.entry} | {lp.body for lp in mod.loops} | {lp.condition for lp in mod.loops}
+  roots |= {b for cond in mod.conditionals for b in cond.branches}
   out = {}
   for root in roots:
     total, stack, seen = 0.0, [root], {root}
@@ -817,6 +924,7 @@ def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None
 def _home_computations(mod):
   home = {}
   roots = [mod.entry] + [lp.body for lp in mod.loops]
+  roots += [b for cond in mod.conditionals for b in cond.branches]
   for root in roots:
     stack = [root]
     while stack:

@@ -231,7 +231,9 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
       not_run = None
     except NotRun as err:  # e.g. the PyTorch peer without PyTorch or a GPU
       fns, impl_args, not_run = None, None, f"not run: {err}"
-    acc, device_rows = accounting.placed(entry.accounting, case, bool(tpu_topology), impl)
+    # The per-step placement runs one branch of a lax.cond: its figures are that branch's.
+    branch = accounting.step_branch(case) if case.size.placement == "step" else case
+    acc, device_rows = accounting.placed(entry.accounting, branch, bool(tpu_topology), impl)
     rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
     if entry.programs is None or entry.foreign:  # checked against the MoE reference
       kept[impl] = acc.kept
@@ -303,6 +305,10 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
         continue
       compile_s = time.perf_counter() - t0
       bar.step(f"compiled {level} E={E} {routing} {impl} {mode}")
+      memory = measure.memory_bytes(compiled)  # of the whole program
+      if branch is not case and tpu_topology:  # estimates: the branch that runs
+        branch_fns, branch_args = progs.programs_and_args(branch, impl)
+        compiled = branch_fns[mode].lower(*branch_args).compile()
       short = None if tpu_topology else _host_memory_short(compiled)
       if short:  # simulated devices share the host's memory: running would be killed
         case_rows.append(dict(base, error=short))
@@ -316,7 +322,6 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
       wire = sum(c["wire_bytes"] for c in coll.values())
       passes_bytes = 1 if mode == "fwd" else 2  # forward, and the backward's reverse
       bound = case.bound_bytes * passes_bytes
-      memory = measure.memory_bytes(compiled)
       row = dict(
         base,
         compile_s=compile_s,

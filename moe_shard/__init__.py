@@ -54,7 +54,7 @@ from moe_shard.experts import (
   SwiGLU,
 )
 from moe_shard.kernels.grouped_matmul import BACKENDS, PLATFORM_BACKENDS, grouped_matmul
-from moe_shard.layer import moe_layer, num_routing_groups
+from moe_shard.layer import moe_layer
 from moe_shard.local import moe_masked_scan, moe_ragged_dot
 from moe_shard.matmuls import GroupedMatmul, MaskedMatmul
 from moe_shard.parallel import moe_all_gather, moe_all_to_all, moe_ragged_all_to_all
@@ -81,6 +81,7 @@ from moe_shard.replicas import (
   move_replicas,
   replicate_experts,
 )
+from moe_shard.route_groups import num_routing_groups
 from moe_shard.routing import (
   ROUTERS,
   Router,

@@ -131,7 +131,7 @@ class MoEConfig:
     routing_groups: how many runs of consecutive tokens the router ranks on its own (matters
       for expert choice; top-k is per token). Default None: one group per device on a mesh
       whose size divides the tokens, else one group of all the tokens of the call (see
-      `layer.num_routing_groups`). An int G: G groups, G must divide the tokens of a call.
+      `route_groups.num_routing_groups`). An int G: G groups, G must divide the tokens of a call.
     load_balance_coef: weight of the load-balancing loss in `aux["aux_loss"]`
       (default 1e-2).
     z_loss_coef: weight of the router z-loss in `aux["aux_loss"]` (default 1e-3).

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +47,16 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from moe_shard import _checks, parallel
+from moe_shard import _checks, local, parallel
 from moe_shard.balance import expert_load, router_z_loss
 from moe_shard.config import MoEConfig, check_config
-from moe_shard.dispatch import check_placement_keywords, choose_impl, get_dispatch
+from moe_shard.dispatch import (
+  Dispatch,
+  DispatchFn,
+  check_placement_keywords,
+  choose_impl,
+  get_dispatch,
+)
 from moe_shard.experts import shared_experts
 from moe_shard.parallel.common import split_specs
 from moe_shard.params import MoEParams, _check_params, check_split_axes, moe_param_specs
@@ -58,7 +65,8 @@ from moe_shard.quant import expand, freeze, is_quantized
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.replica_rule import StepPlacement
 from moe_shard.replicas import SlotParams
-from moe_shard.routing import Routing, drop_over_capacity, get_router, route_in_groups
+from moe_shard.route_groups import num_routing_groups, route
+from moe_shard.routing import drop_over_capacity, get_router
 from moe_shard.sharding import (
   auto,
   axis_size,
@@ -67,130 +75,11 @@ from moe_shard.sharding import (
   like,
   place,
   resolve_mesh,
-  token_spec,
   unflatten_tokens,
 )
 
-# --------------------------------------------------------------------------- routing stage
-
-
-def num_routing_groups(
-  cfg: MoEConfig, num_tokens: int, mesh: Mesh | AbstractMesh | None = None
-) -> int:
-  """Returns G, the routing groups of a call: runs of consecutive tokens routed on their own.
-
-  A router sees the tokens of one group at a time (`routing.route_in_groups`). Top-k is per
-  token, so G changes nothing there; expert choice ranks each group's tokens on its own, so
-  its result depends on G. `cfg.routing_groups` when set; by default (None) one group per
-  device on a mesh whose size divides the tokens (the router then runs per device, with no
-  communication), else 1 (all the tokens of the call). Group g is tokens [g*T/G, (g+1)*T/G)
-  of the flattened `x_BSD` (batch-major), which on a mesh is the g-th device's share of the
-  tokens, in the order of the mesh's devices. So a mesh result is reproduced on one device by
-  `routing_groups=mesh.size`.
-
-  Args:
-    cfg: `MoEConfig`.
-    num_tokens: T, the tokens of the call (B * S).
-    mesh: None (default) or the layer's mesh.
-
-  Returns:
-    int G, dividing T.
-
-  Raises:
-    ValueError: `cfg.routing_groups` does not divide T.
-  """
-  if cfg.routing_groups is not None:
-    _checks.divisible("moe_layer", "tokens B*S", num_tokens, "routing_groups", cfg.routing_groups)
-    return cfg.routing_groups
-  if mesh is not None and num_tokens % mesh.size == 0:
-    return mesh.size
-  return 1
-
-
-def route(logits_TE, cfg, mesh=None, bias_E=None):
-  """Runs the router of `cfg.router` on each routing group, token-parallel on a mesh.
-
-  XLA's partitioner all-gathers the input of TopK (every device would route all T tokens),
-  so on a mesh whose size divides T and the number of groups G (`num_routing_groups`) the
-  router runs under `shard_map` over the tokens instead, G / mesh.size groups per device:
-  no communication. Otherwise it runs on the whole [T, E] array, a vmap over groups.
-
-  Args:
-    logits_TE: f32[T, E] router logits.
-    cfg: `MoEConfig` (router, top_k, normalize_top_k, ...).
-    mesh: None (default) or the layer's mesh.
-    bias_E: None (default) or f32[E] selection bias (`bias_balancing`), passed to the router.
-
-  Returns:
-    `Routing`, split over every mesh axis when on a mesh that divides T.
-  """
-  T = logits_TE.shape[0]
-  G = num_routing_groups(cfg, T, mesh)
-  kwargs = {} if bias_E is None else dict(bias_E=bias_E)
-  if mesh is not None and T % mesh.size == 0 and G % mesh.size == 0:
-    router = _token_parallel_router(cfg, mesh, G // mesh.size, bias_E is not None)
-    return router(
-      place(logits_TE, mesh, token_spec(mesh)),
-      *([] if bias_E is None else [place(bias_E, mesh, P())]),
-    )
-  router = functools.partial(route_in_groups, get_router(cfg.router), cfg=cfg, groups=G, **kwargs)
-  if G == 1:
-    return router(logits_TE)
-  # Groups of a token-split array: let XLA choose the shardings of the reshape and the sort.
-  # Routing(spec, spec, spec): a pytree of PartitionSpecs, the specs of a Routing's leaves.
-  return auto(router, logits_TE, lambda spec: Routing(spec, spec, spec))(logits_TE)  # pyright: ignore[reportArgumentType]
-
-
-@functools.lru_cache(maxsize=64)
-def _token_parallel_router(cfg, mesh, groups_per_device, with_bias):
-  """The router of one (config, mesh) under shard_map, built once (no re-trace per call)."""
-  tok = token_spec(mesh)
-  router = get_router(cfg.router)
-
-  def body(logits_TE, *bias_E):  # per device: T / mesh.size tokens
-    kwargs = dict(bias_E=bias_E[0]) if with_bias else {}
-    return route_in_groups(router, logits_TE, cfg, groups_per_device, **kwargs)
-
-  in_specs = (tok, P()) if with_bias else (tok,)
-  # out_specs: a Routing of PartitionSpecs, one per leaf.
-  return jax.jit(
-    jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=Routing(tok, tok, tok))  # pyright: ignore[reportArgumentType]
-  )
-
-
-# --------------------------------------------------------------------------- layer
-
-
-def input_weighted_items(
-  x_TD: Float[Array, "T D"], experts_TK: Int[Array, "T K"], weights_TK: Float[Array, "T K"]
-) -> tuple[Float[Array, "I D"], Int[Array, "I 1"], Float[Array, "I 1"]]:
-  """The items of `weights_on="input"`: each (token, slot) is its own row `w * x`, weight 1.
-
-      x_ID[t*K + j] = weights_TK[t, j] * x_TD[t]      (in float32, then x's dtype)
-      experts_I1[t*K + j, 0] = experts_TK[t, j]
-
-  So any dispatch computes `expert(w * x)` per item; `sum_items` adds each token's K
-  outputs. Item order is token-major: a token's items stay on the device of the token.
-  For K = 1 this is just the tokens scaled by their weight. A dropped item (id -1) stays
-  dropped and contributes zero.
-
-  Args:
-    x_TD: f[T, D] tokens.
-    experts_TK: i32[T, K] expert ids.
-    weights_TK: f32[T, K] combine weights.
-
-  Returns:
-    (x_ID: f[T*K, D] in the dtype of x_TD, experts_I1: i32[T*K, 1], ones_I1: f32[T*K, 1]).
-  """
-  T, K = experts_TK.shape
-  x_TKD = weights_TK[:, :, None].astype(jnp.float32) * x_TD[:, None, :].astype(jnp.float32)
-  x_ID = x_TKD.reshape(T * K, x_TD.shape[1]).astype(x_TD.dtype)
-  return x_ID, experts_TK.reshape(T * K, 1), jnp.ones((T * K, 1), jnp.float32)
-
-
-def sum_items(y_ID: Float[Array, "I D"], tokens: int) -> Float[Array, "T D"]:
-  """Sums the K consecutive item outputs of each token: f[T*K, D] -> f32[T, D]."""
-  return jnp.sum(y_ID.reshape(tokens, -1, y_ID.shape[-1]).astype(jnp.float32), axis=1)
+# The named scope of the per-step placement's `lax.cond` (the benchmark names its branch).
+STEP_SCOPE = "step_placement"
 
 
 def moe_layer(
@@ -265,6 +154,51 @@ def moe_layer(
       scales or FP8 values), at trace time: quantized matrices are frozen; differentiate
       the leaves of `split_trainable(params)[0]` (docs/guides/quantization.md).
   """
+  call = _check(params, x_BSD, cfg, mesh, placement)
+  E = cfg.num_experts
+  x_TD = flatten_tokens(x_BSD, call.mesh)  # on an Explicit mesh: split over it (if T divides)
+  params = _place_params(params, x_TD, cfg, call.mesh)
+  with jax.named_scope("route"):
+    routing, lb_loss, z_loss = _route(params, x_TD, cfg, call.mesh, x_BSD.shape[1])
+    experts_TK, dropped_TK, load_E = _drop(routing.experts_TK, cfg, call.placement)
+  with jax.named_scope("dispatch"):
+    y_TD, stats = _dispatch(params, x_TD, experts_TK, routing.weights_TK, load_E, cfg, call)
+    y_TD = checkpoint_name(like(y_TD.astype(jnp.float32), x_TD), MOE_DISPATCH_OUT)
+  if params.shared is not None:
+    with jax.named_scope("shared_experts"):
+      y_TD = y_TD + _shared(params, x_TD.astype(call.compute_dtype), cfg, call.mesh)
+  y_BSD = unflatten_tokens(y_TD.astype(x_BSD.dtype), x_BSD, call.mesh)
+  aux = dict(
+    aux_loss=cfg.load_balance_coef * lb_loss + cfg.z_loss_coef * z_loss,
+    load_balance_loss=lb_loss,
+    z_loss=z_loss,
+    expert_load=load_E,
+    rounds=jnp.asarray(stats.get("rounds", 1), jnp.int32),
+    dropped_items=jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0),
+    dropped_tokens=jnp.sum(jnp.all((experts_TK < 0) | (experts_TK >= E), axis=1), dtype=jnp.int32),
+    device_load=stats["device_load"],
+    balancedness=balancedness(stats["device_load"]),
+  )
+  if "step_placement" in stats:
+    aux["step_placement"] = stats["step_placement"]
+  return like(y_BSD, x_BSD), aux
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """What `_check` resolved of one call."""
+
+  mesh: Mesh | AbstractMesh | None
+  n: int  # devices on the expert axis (1 without a mesh)
+  placement: Placement | StepPlacement | None
+  slot_weights: bool  # params hold the placement's slots (SlotParams)
+  impl: str | DispatchFn
+  dispatch: Dispatch
+  compute_dtype: Any
+
+
+def _check(params, x_BSD, cfg, mesh, placement):
+  """Check: the config, x, the mesh, params with the placement, and the dispatch."""
   fn = "moe_layer"
   check_config(fn, cfg)
   x_BSD = _checks.float_array(fn, "x_BSD", x_BSD)
@@ -275,16 +209,11 @@ def moe_layer(
   mesh = resolve_mesh(fn, mesh, cfg.expert_axis, cfg.num_experts, required=False)
   n = 1 if mesh is None else axis_size(mesh, cfg.expert_axis)
   placement, slot_weights = _check_placement(fn, params, cfg, placement, n)
-  # Differentiating a quantized matrix raises (naming it): it has no gradient to apply.
-  params = freeze(fn, params)
   check_split_axes(fn, cfg, mesh)
   T = x_BSD.shape[0] * x_BSD.shape[1]
-  impl = choose_impl(
-    cfg,
-    mesh,
-    tokens=None if mesh is None else -(-T // mesh.size),
-    replicated=placement is not None,
-  )
+  num_routing_groups(cfg, T, mesh)  # raises on groups that do not divide T
+  tokens = None if mesh is None else -(-T // mesh.size)
+  impl = choose_impl(cfg, mesh, tokens=tokens, replicated=placement is not None)
   dispatch = get_dispatch(impl)
   if placement is not None:
     check_placement_keywords(fn, dispatch.fn)
@@ -294,132 +223,143 @@ def moe_layer(
       f"{cfg.expert_axis!r} (got mesh=None, and no mesh in scope with that "
       f"axis): pass mesh= or call under `with jax.set_mesh(mesh):`"
     )
-  E = cfg.num_experts
   compute_dtype = cfg.compute_dtype or x_BSD.dtype
-  router = get_router(cfg.router)
+  return _Call(mesh, n, placement, slot_weights, impl, dispatch, compute_dtype)
 
-  x_TD = flatten_tokens(x_BSD, mesh)  # on an Explicit mesh: split over it (if T divides)
-  if mesh is not None and explicit_mesh(x_TD)[1] and not explicit_mesh(params.router_DE)[1]:
-    # Parameters not on the Explicit mesh yet: placed as `moe_param_specs` says (a router
-    # gradient would otherwise contract the split token axis with an unplaced array).
-    specs = moe_param_specs(dataclasses.replace(cfg, weights_format=None))
-    if isinstance(params, SlotParams):  # the same specs: the slot axis splits like E
-      specs = SlotParams(**{f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)})
-    specs = expand(specs, params)
-    params = jax.tree.map(lambda a, spec: place(a, mesh, spec), params, specs)
-  T = x_TD.shape[0]
-  num_routing_groups(cfg, T, mesh)  # raises on groups that do not divide T
-  with jax.named_scope("route"):
-    logits_TE = jnp.einsum(
-      "td,de->te", x_TD.astype(jnp.float32), params.router_DE.astype(jnp.float32)
-    )
-    if params.router_logit_bias is not None:  # trained: the router and the z-loss see it
-      logits_TE = logits_TE + params.router_logit_bias.astype(jnp.float32)
-    logits_TE = checkpoint_name(logits_TE, MOE_ROUTER_LOGITS)
-    bias_E = params.router_bias
-    if bias_E is not None:  # selection only: it is moved by update_router_bias, not grad
-      bias_E = jax.lax.stop_gradient(bias_E.astype(jnp.float32))
-    routing = route(logits_TE, cfg, mesh, bias_E)
-    balance_loss = functools.partial(router.balance_loss, cfg=cfg, seq_len=x_BSD.shape[1])
-    lb_loss = auto(balance_loss, routing.experts_TK, lambda _: P())(routing)
-    z_loss = router_z_loss(logits_TE)
-    experts_TK = routing.experts_TK
-    capacity = None if router.applies_capacity else cfg.capacity(T)
-    if capacity is None:
-      dropped_TK = jnp.zeros_like(experts_TK, dtype=bool)
-    else:
-      experts_TK, dropped_TK = auto(
-        functools.partial(drop_over_capacity, num_experts=E, capacity=capacity),
-        experts_TK,
-        lambda spec: (spec, spec),
-      )(experts_TK)
-    if isinstance(placement, Placement) and not concrete(placement.logcnt):
-      # A traced placement is not checked: the items of an expert it gives no slot drop.
-      fn_drop = auto(drop_unplaced, experts_TK, lambda spec: (spec, spec))
-      experts_TK, dropped_TK = fn_drop(experts_TK, dropped_TK, placement.logcnt)
-    load_E = auto(functools.partial(expert_load, num_experts=E), experts_TK, lambda _: P())(
-      experts_TK
-    )
-  step_used = None
+
+def _place_params(params, x_TD, cfg, mesh):
+  """Place: parameters not on an Explicit mesh yet, placed as `moe_param_specs` says (a
+  router gradient would otherwise contract the split token axis with an unplaced array);
+  quantized matrices frozen (differentiating one raises, naming it: it has no gradient)."""
+  params = freeze("moe_layer", params)
+  if mesh is None or not explicit_mesh(x_TD)[1] or explicit_mesh(params.router_DE)[1]:
+    return params
+  specs = moe_param_specs(dataclasses.replace(cfg, weights_format=None))
+  if isinstance(params, SlotParams):  # the same specs: the slot axis splits like E
+    specs = SlotParams(**{f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)})
+  specs = expand(specs, params)
+  return jax.tree.map(lambda a, spec: place(a, mesh, spec), params, specs)
+
+
+def _route(params, x_TD, cfg, mesh, seq_len):
+  """Route: float32 logits, the router per routing group, its balance loss and the z-loss."""
+  logits_TE = jnp.einsum(
+    "td,de->te", x_TD.astype(jnp.float32), params.router_DE.astype(jnp.float32)
+  )
+  if params.router_logit_bias is not None:  # trained: the router and the z-loss see it
+    logits_TE = logits_TE + params.router_logit_bias.astype(jnp.float32)
+  logits_TE = checkpoint_name(logits_TE, MOE_ROUTER_LOGITS)
+  bias_E = params.router_bias
+  if bias_E is not None:  # selection only: it is moved by update_router_bias, not grad
+    bias_E = jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+  routing = route(logits_TE, cfg, mesh, bias_E)
+  balance_loss = functools.partial(get_router(cfg.router).balance_loss, cfg=cfg, seq_len=seq_len)
+  lb_loss = auto(balance_loss, routing.experts_TK, lambda _: P())(routing)
+  return routing, lb_loss, router_z_loss(logits_TE)
+
+
+def _drop(experts_TK, cfg, placement):
+  """Drop: items past their expert's capacity, and of experts a traced placement gives no
+  slot (a traced placement is not checked), get id -1. Returns (experts_TK, dropped_TK,
+  load_E: i32[E] the items each expert computes)."""
+  E, T = cfg.num_experts, experts_TK.shape[0]
+  capacity = None if get_router(cfg.router).applies_capacity else cfg.capacity(T)
+  if capacity is None:
+    dropped_TK = jnp.zeros_like(experts_TK, dtype=bool)
+  else:
+    drop = functools.partial(drop_over_capacity, num_experts=E, capacity=capacity)
+    experts_TK, dropped_TK = auto(drop, experts_TK, lambda spec: (spec, spec))(experts_TK)
+  if isinstance(placement, Placement) and not concrete(placement.logcnt):
+    fn_drop = auto(drop_unplaced, experts_TK, lambda spec: (spec, spec))
+    experts_TK, dropped_TK = fn_drop(experts_TK, dropped_TK, placement.logcnt)
+  load = functools.partial(expert_load, num_experts=E)
+  return experts_TK, dropped_TK, auto(load, experts_TK, lambda _: P())(experts_TK)
+
+
+def _dispatch(params, x_TD, experts_TK, weights_TK, load_E, cfg, call):
+  """Dispatch: the items to their experts (or replicas) and back, combined with the
+  weights. stats: the dispatch's, with device_load (and step_placement for "step")."""
+  placement = call.placement
   if isinstance(placement, StepPlacement):
-    if mesh is not None and n > 1:
-      with jax.named_scope("plan_step"):
-        placement, step_used = placement.plan(load_E, n, mesh.size // n)
-    else:  # one device: nothing to spread over
-      placement, step_used = None, jnp.zeros((), bool)
-  dispatch_kwargs = {}
-  if placement is not None:
-    dispatch_kwargs = dict(placement=placement, slot_weights=slot_weights)
+    return _dispatch_step(params, x_TD, experts_TK, weights_TK, load_E, cfg, call)
   experts = params.experts
-  if slot_weights:  # each replica's gradient: its expert's (summed over the replicas)
+  if call.slot_weights:  # each replica's gradient: its expert's (summed over the replicas)
     specs = split_specs(experts, cfg.expert_axis, cfg.expert_tensor_axis, cfg.expert_fsdp_axis)
     experts = parallel.tie_replicas(
-      experts, placement, mesh=mesh, expert_axis=cfg.expert_axis, specs=specs
+      experts, placement, mesh=call.mesh, expert_axis=cfg.expert_axis, specs=specs
     )
-  with jax.named_scope("dispatch"):
-    # Quantized matrices stay as they are: the matmuls dequantize them to the compute dtype.
-    ffn = jax.tree.map(
-      lambda a: a if is_quantized(a) else a.astype(compute_dtype),
-      experts,
-      is_leaf=is_quantized,
+  # Quantized matrices stay as they are: the matmuls dequantize them to the compute dtype.
+  cast = lambda a: a if is_quantized(a) else a.astype(call.compute_dtype)
+  ffn = jax.tree.map(cast, experts, is_leaf=is_quantized)
+  kwargs = {} if placement is None else dict(placement=placement, slot_weights=call.slot_weights)
+  run = functools.partial(call.dispatch.fn, ffn=ffn, mesh=call.mesh, cfg=cfg, **kwargs)
+  x_TD = x_TD.astype(call.compute_dtype)
+  if cfg.weights_on == "output":
+    y_TD, stats = run(x_TD, experts_TK=experts_TK, weights_TK=weights_TK)
+  else:
+    items = auto(local.input_weighted_items, x_TD, lambda spec: (spec, spec, spec))
+    x_ID, experts_I1, ones_I1 = items(x_TD, experts_TK, weights_TK)
+    y_ID, stats = run(x_ID, experts_TK=experts_I1, weights_TK=ones_I1)
+    y_TD = auto(functools.partial(local.sum_items, tokens=x_TD.shape[0]), y_ID, lambda spec: spec)(
+      y_ID
     )
-    if cfg.weights_on == "output":
-      y_TD, stats = dispatch.fn(
-        x_TD.astype(compute_dtype),
-        ffn,
-        experts_TK,
-        routing.weights_TK,
-        mesh=mesh,
-        cfg=cfg,
-        **dispatch_kwargs,
-      )
-    else:
-      items = auto(input_weighted_items, x_TD, lambda spec: (spec, spec, spec))
-      x_ID, experts_I1, ones_I1 = items(x_TD.astype(compute_dtype), experts_TK, routing.weights_TK)
-      y_ID, stats = dispatch.fn(
-        x_ID, ffn, experts_I1, ones_I1, mesh=mesh, cfg=cfg, **dispatch_kwargs
-      )
-      y_TD = auto(functools.partial(sum_items, tokens=T), y_ID, lambda spec: spec)(y_ID)
-    y_TD = checkpoint_name(like(y_TD.astype(jnp.float32), x_TD), MOE_DISPATCH_OUT)
-  if params.shared is not None:
-    with jax.named_scope("shared_experts"):
-      split = (cfg.expert_tensor_axis, cfg.expert_fsdp_axis) != (None, None)
-      if mesh is not None and split and T % mesh.size == 0:  # explicit collectives
-        shared_TD = parallel.shared_mlp(
-          params.shared,
-          x_TD.astype(compute_dtype),
-          mesh=mesh,
-          tensor_axis=cfg.expert_tensor_axis,
-          fsdp_axis=cfg.expert_fsdp_axis,
-        )
-      else:  # XLA shards it as it likes
-        shared_TD = shared_experts(params.shared, x_TD.astype(compute_dtype))
-      if params.shared_gate_D is not None:  # one gate per token on the shared experts' sum
-        gate_D = params.shared_gate_D.astype(jnp.float32)
-        gate_T = jax.nn.sigmoid(jnp.einsum("td,d->t", x_TD.astype(jnp.float32), gate_D))
-        shared_TD = shared_TD * gate_T[:, None]
-      y_TD = y_TD + shared_TD
   if placement is not None and "slot_load" not in stats:
     raise ValueError(
-      f"{fn}: with a placement the dispatch's stats must hold 'slot_load' (i32[S], items "
-      f"each slot computed; docs/guides/dispatch.md); impl {impl!r} returned "
+      f"moe_layer: with a placement the dispatch's stats must hold 'slot_load' (i32[S], "
+      f"items each slot computed; docs/guides/dispatch.md); impl {call.impl!r} returned "
       f"{sorted(stats)}"
     )
-  y_BSD = unflatten_tokens(y_TD.astype(x_BSD.dtype), x_BSD, mesh)
-  dropped_items = jnp.sum(dropped_TK, dtype=jnp.int32) + stats.get("dropped_items", 0)
-  aux = dict(
-    aux_loss=cfg.load_balance_coef * lb_loss + cfg.z_loss_coef * z_loss,
-    load_balance_loss=lb_loss,
-    z_loss=z_loss,
-    expert_load=load_E,
-    rounds=jnp.asarray(stats.get("rounds", 1), jnp.int32),
-    dropped_items=dropped_items,
-    dropped_tokens=jnp.sum(jnp.all((experts_TK < 0) | (experts_TK >= E), axis=1), dtype=jnp.int32),
-    **device_load(load_E if placement is None else stats["slot_load"], n),
-  )
-  if step_used is not None:
-    aux["step_placement"] = step_used.astype(jnp.int32)
-  return like(y_BSD, x_BSD), aux
+  per_device = device_load(load_E if placement is None else stats["slot_load"], call.n)
+  return y_TD, dict(stats, device_load=per_device)
+
+
+def _dispatch_step(params, x_TD, experts_TK, weights_TK, load_E, cfg, call):
+  """The per-step placement: planned from the step's load, and the dispatch run on it only
+  where the plan pays (a `lax.cond`: otherwise the dispatch without a placement, with none
+  of the slots' buffers, fetch or gradient return)."""
+  step = call.placement
+  assert isinstance(step, StepPlacement)
+  without = dataclasses.replace(call, placement=None)
+  if call.mesh is None or call.n == 1:  # one device: nothing to spread over
+    y_TD, stats = _dispatch(params, x_TD, experts_TK, weights_TK, load_E, cfg, without)
+    return y_TD, dict(stats, step_placement=jnp.zeros((), jnp.int32))
+  with jax.named_scope("plan_step"):
+    planned, used = step.plan(load_E, call.n, call.mesh.size // call.n)
+
+  def branch(c):
+    def run(operands):
+      params, x_TD, experts_TK, weights_TK = operands
+      y_TD, stats = _dispatch(params, x_TD, experts_TK, weights_TK, load_E, cfg, c)
+      keep = ("rounds", "dropped_items", "device_load")
+      return y_TD, {k: jnp.asarray(stats.get(k, 0 if k != "rounds" else 1)) for k in keep}
+
+    return run
+
+  operands = (params, x_TD, experts_TK, weights_TK)
+  with jax.named_scope(STEP_SCOPE):
+    with_plan = dataclasses.replace(call, placement=planned)
+    y_TD, stats = jax.lax.cond(used, branch(with_plan), branch(without), operands)
+  return y_TD, dict(stats, step_placement=used.astype(jnp.int32))
+
+
+def _shared(params, x_TD, cfg, mesh):
+  """The shared experts' output (gated with `shared_expert_gate`)."""
+  split = (cfg.expert_tensor_axis, cfg.expert_fsdp_axis) != (None, None)
+  if mesh is not None and split and x_TD.shape[0] % mesh.size == 0:  # explicit collectives
+    shared_TD = parallel.shared_mlp(
+      params.shared,
+      x_TD,
+      mesh=mesh,
+      tensor_axis=cfg.expert_tensor_axis,
+      fsdp_axis=cfg.expert_fsdp_axis,
+    )
+  else:  # XLA shards it as it likes
+    shared_TD = shared_experts(params.shared, x_TD)
+  if params.shared_gate_D is not None:  # one gate per token on the shared experts' sum
+    gate_D = params.shared_gate_D.astype(jnp.float32)
+    gate_T = jax.nn.sigmoid(jnp.einsum("td,d->t", x_TD.astype(jnp.float32), gate_D))
+    shared_TD = shared_TD * gate_T[:, None]
+  return shared_TD
 
 
 def drop_unplaced(experts_TK, dropped_TK, logcnt_E):
@@ -431,14 +371,16 @@ def drop_unplaced(experts_TK, dropped_TK, logcnt_E):
   return jnp.where(unplaced, -1, experts_TK), dropped_TK | unplaced
 
 
-def device_load(load: Int[Array, " S"], num_devices: int) -> dict[str, Array]:
-  """{"device_load": i32[N] the items of each device's S / N experts or slots,
-  "balancedness": f32[] their mean over their max (1.0 when all are zero)}."""
-  per_device = jnp.sum(load.reshape(num_devices, -1), axis=1, dtype=jnp.int32)
+def device_load(load: Int[Array, " S"], num_devices: int) -> Int[Array, " N"]:
+  """i32[N]: the items of each device's S / N experts or slots."""
+  return jnp.sum(load.reshape(num_devices, -1), axis=1, dtype=jnp.int32)
+
+
+def balancedness(per_device: Int[Array, " N"]) -> Float[Array, ""]:
+  """f32[]: the mean of `device_load` over its max (1.0 when all are zero)."""
   busiest = jnp.max(per_device)
   mean = jnp.mean(per_device.astype(jnp.float32))
-  balance = jnp.where(busiest > 0, mean / jnp.maximum(busiest, 1).astype(jnp.float32), 1.0)
-  return dict(device_load=per_device, balancedness=balance)
+  return jnp.where(busiest > 0, mean / jnp.maximum(busiest, 1).astype(jnp.float32), 1.0)
 
 
 def _check_placement(fn, params, cfg, placement, n):

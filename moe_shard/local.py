@@ -289,3 +289,35 @@ def ragged_combine(x_TD, ffn, num_experts, experts_TK, weights_TK, gmm_impl="aut
   with jax.named_scope("unpermute"):
     weights_TK = jnp.where(valid_I.reshape(T, K), weights_TK, 0.0)
     return rows_to_tokens(y_IF, index, weights_TK)
+
+
+def input_weighted_items(
+  x_TD: Float[Array, "T D"], experts_TK: Int[Array, "T K"], weights_TK: Float[Array, "T K"]
+) -> tuple[Float[Array, "I D"], Int[Array, "I 1"], Float[Array, "I 1"]]:
+  """The items of `weights_on="input"`: each (token, slot) is its own row `w * x`, weight 1.
+
+      x_ID[t*K + j] = weights_TK[t, j] * x_TD[t]      (in float32, then x's dtype)
+      experts_I1[t*K + j, 0] = experts_TK[t, j]
+
+  So any dispatch computes `expert(w * x)` per item; `sum_items` adds each token's K
+  outputs. Item order is token-major: a token's items stay on the device of the token.
+  For K = 1 this is just the tokens scaled by their weight. A dropped item (id -1) stays
+  dropped and contributes zero.
+
+  Args:
+    x_TD: f[T, D] tokens.
+    experts_TK: i32[T, K] expert ids.
+    weights_TK: f32[T, K] combine weights.
+
+  Returns:
+    (x_ID: f[T*K, D] in the dtype of x_TD, experts_I1: i32[T*K, 1], ones_I1: f32[T*K, 1]).
+  """
+  T, K = experts_TK.shape
+  x_TKD = weights_TK[:, :, None].astype(jnp.float32) * x_TD[:, None, :].astype(jnp.float32)
+  x_ID = x_TKD.reshape(T * K, x_TD.shape[1]).astype(x_TD.dtype)
+  return x_ID, experts_TK.reshape(T * K, 1), jnp.ones((T * K, 1), jnp.float32)
+
+
+def sum_items(y_ID: Float[Array, "I D"], tokens: int) -> Float[Array, "T D"]:
+  """Sums the K consecutive item outputs of each token: f[T*K, D] -> f32[T, D]."""
+  return jnp.sum(y_ID.reshape(tokens, -1, y_ID.shape[-1]).astype(jnp.float32), axis=1)

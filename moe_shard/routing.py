@@ -18,7 +18,7 @@ index is chosen.
 `(logits_TE, cfg, *, bias_E=None) -> Routing` with the facts the layer needs beside it (its
 balance loss, whether it applies the capacity itself). `MoEConfig.router` takes a name from
 it or such a function. A router sees the tokens of one *routing group* (see
-`layer.num_routing_groups`): for a per-token router such as top-k the grouping changes
+`route_groups.num_routing_groups`): for a per-token router such as top-k the grouping changes
 nothing; expert choice ranks the tokens of its group. `drop_over_capacity` turns a
 routing into a capacity-limited one.
 """
@@ -225,7 +225,7 @@ def expert_choice_routing(logits_TE: Float[Array, "T E"], capacity: int) -> Rout
   So every expert computes exactly `capacity` tokens, and a token gets 0 to E experts (0:
   only the shared experts and the residual reach it). Ties go to the lower token index. The
   result depends on which tokens are ranked together: the layer routes each routing group
-  on its own (`layer.num_routing_groups`).
+  on its own (`route_groups.num_routing_groups`).
 
   Args:
     logits_TE: f[T, E] router logits of the tokens of one group (the math runs in float32).

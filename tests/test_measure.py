@@ -638,3 +638,32 @@ ENTRY %main (n: s32[], o: s32[5], g: s32[6], t: s32[6], x: bf16[64,128], v: s8[4
   assert got == dict(
     name="y", groups=4, weight_bytes=4 * 128 * 256 + 4 * 256 * 4, declared=200000.0, runs=1.0
   )
+
+
+def test_conditional_counts_the_branch_named_taken():
+  # A lax.cond under a scope, one matmul against three, and a loop inside the cheap
+  # branch: XLA's own count takes the costlier branch once; `branch_key` says which runs.
+  n = 64
+
+  def f(pred, x):
+    def cheap(x):
+      with jax.named_scope("inner"):
+        return jax.lax.fori_loop(0, jnp.int32(x[0, 0] > 0) + 2, lambda i, y: y @ x, x)
+
+    with jax.named_scope("pick"):
+      return jax.lax.cond(pred, lambda x: x @ x @ x @ x, cheap, x)
+
+  x = jnp.ones((n, n))
+  compiled = jax.jit(f).lower(True, x).compile()
+  mm = 2 * n**3
+  mod = measure._module(compiled)
+  assert [len(c.branches) for c in mod.conditionals] == [2]
+  expensive = measure.executed_flops(compiled, {measure.branch_key("pick"): 1, "inner": 5})
+  cheap = measure.executed_flops(compiled, {measure.branch_key("pick"): 0, "inner": 5})
+  assert expensive["dot_executed"] == 3 * mm
+  assert cheap["dot_executed"] == 5 * mm
+  assert expensive["executed"] == pytest.approx(expensive["xla"] - 0 * mm, rel=0.01)
+  assert cheap["executed"] == pytest.approx(cheap["xla"] - 3 * mm + 5 * mm, rel=0.01)
+  runs = mod.executions({measure.branch_key("pick"): 1, "inner": 5})
+  (loop,) = mod.loops
+  assert runs[loop.body] == 0.0  # the loop of the branch not taken never runs
