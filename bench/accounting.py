@@ -375,11 +375,39 @@ def placed(fn, case, on_tpu, impl):
   )
   sub = dataclasses.replace(case, E=len(phy2log), experts_TK=slots)
   acc = fn(sub, on_tpu)
-  if case.size.placement != "served":
-    fetch = fetch_bytes(case, phy2log)
-    sent = acc.sent_bytes or {}
-    acc = dataclasses.replace(acc, sent_bytes={m: sent.get(m, 0.0) + b for m, b in fetch.items()})
+  # Logical parameters fetch the slots' weights; slot-major ones sum their replicas'
+  # gradients (`tie_bytes`).
+  moved = tie_bytes if case.size.placement == "served" else fetch_bytes
+  extra = moved(case, phy2log)
+  sent = acc.sent_bytes or {}
+  acc = dataclasses.replace(acc, sent_bytes={m: sent.get(m, 0.0) + b for m, b in extra.items()})
   return acc, chip_rows(slots, len(phy2log), case)
+
+
+def tie_bytes(case, phy2log):
+  """{mode: bytes}: what the busiest device sends to sum the replicas' gradients of
+  slot-major parameters (`parallel.tie_replicas`, fwd_bwd only): each replica that is not
+  its expert's first sends its gradient to the first's device, which sends the sum back."""
+  N = case.mesh.shape[EXPERT]
+  phy2log = np.asarray(phy2log)
+  S = len(phy2log)
+  Ls = S // N
+  grads = _grad_bytes(case.args[0].experts)
+  _, first = np.unique(phy2log, return_index=True)
+  leader = first[np.searchsorted(np.unique(phy2log), phy2log)]
+  remote = (leader != np.arange(S)) & (leader // Ls != np.arange(S) // Ls)
+  reduce = np.bincount((np.arange(S) // Ls)[remote], minlength=N)  # followers send
+  back = np.bincount((leader // Ls)[remote], minlength=N)  # leaders send the sums back
+  return {"fwd": 0.0, "fwd_bwd": float(((reduce + back) * grads).max())}
+
+
+def _grad_bytes(experts):
+  """Bytes of one expert's trainable matrices (quantized ones are frozen)."""
+  total = 0
+  for leaf in jax.tree.leaves(experts, is_leaf=ms.quant.is_quantized):
+    if not ms.quant.is_quantized(leaf):
+      total += int(np.prod(leaf.shape[1:])) * np.dtype(leaf.dtype).itemsize
+  return total
 
 
 def step_branch(case):
