@@ -41,7 +41,8 @@ class Fault:
 
 # ------------------------------------------------------------------------------------------
 # THE FAULTS. Snippets are exact text of the current sources: after a refactor, update them
-# here (the script fails loudly when one is not found exactly once).
+# here (the script fails loudly when one is not found exactly once, and so does
+# tests/test_faults.py, in CI).
 # ------------------------------------------------------------------------------------------
 FAULTS = {
   "A": Fault(
@@ -49,8 +50,8 @@ FAULTS = {
     (
       (
         "moe_shard/layer.py",
-        "ffn, experts_TK, routing.weights_TK, mesh=mesh, cfg=cfg",
-        "ffn, experts_TK, jax.lax.stop_gradient(routing.weights_TK), mesh=mesh, cfg=cfg",
+        "run(x_TD, experts_TK=experts_TK, weights_TK=weights_TK)",
+        "run(x_TD, experts_TK=experts_TK, weights_TK=jax.lax.stop_gradient(weights_TK))",
       ),
     ),
     ("tests/test_layer_oracle.py",),
@@ -136,7 +137,7 @@ FAULTS = {
     (
       (
         "moe_shard/parallel/common.py",
-        'lambda a, ls: a if "F" in ls else jnp.where(first, a, jnp.zeros_like(a))',
+        'lambda a, ls: a if "F" in ls or len(ls) == 3 else jnp.where(first, a, jnp.zeros_like(a))',
         "lambda a, ls: a",
       ),
     ),
