@@ -431,7 +431,7 @@ def programs(case, impl):
   Kernel level: (x, w, experts, weights, dy) -> y, or (y, dx, dw, dweights) (y, dx, dweights
   for a quantized w: frozen). Layer level: (params, x, dy) -> (y, aux_loss, rounds,
   dropped_items), or (y, dparams, dx) (with quantized matrices, dparams is the list of the
-  trainable leaves of `ms.quant.split_frozen`).
+  trainable leaves of `ms.frozen.split_frozen`).
   """
   return programs_and_args(case, impl)[0]
 
@@ -498,8 +498,10 @@ def _dispatch_programs(case, impl):
       (y, _), vjp = jax.vjp(outputs, p, x)
       return (y, *vjp((dy, jnp.ones((), jnp.float32))))
     # Quantized matrices are frozen: the gradient is of the other parameters and x.
-    trainable, frozen, treedef = ms.quant.split_frozen(p)
-    (y, _), vjp = jax.vjp(lambda t, x: outputs(ms.quant.merge(treedef, t, frozen), x), trainable, x)
+    trainable, frozen, treedef = ms.frozen.split_frozen(p)
+    (y, _), vjp = jax.vjp(
+      lambda t, x: outputs(ms.frozen.merge(treedef, t, frozen), x), trainable, x
+    )
     return (y, *vjp((dy, jnp.ones((), jnp.float32))))
 
   return {"fwd": jax.jit(fwd), "fwd_bwd": jax.jit(fwd_bwd)}

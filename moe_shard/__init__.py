@@ -27,14 +27,7 @@ Four tables, one per concern: `ROUTERS` (routing.py), `DISPATCHES` (dispatch.py)
 expert FFNs `EXPERTS` (experts.py) and the grouped-matmul `BACKENDS` (grouped_matmul.py).
 """
 
-from moe_shard.adapters import (
-  Adapter,
-  add_adapters,
-  merge_adapters,
-  merge_trainable,
-  split_trainable,
-  trainable_mask,
-)
+from moe_shard.adapters import Adapter, add_adapters, merge_adapters
 from moe_shard.balance import (
   expert_load,
   load_balancing_loss,
@@ -92,6 +85,7 @@ from moe_shard.routing import (
   top_k_routing,
 )
 from moe_shard.sharding import DATA, EXPERT, mesh_in_scope
+from moe_shard.trainable import merge_trainable, split_trainable, trainable_mask
 
 __all__ = [
   "BACKENDS",

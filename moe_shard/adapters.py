@@ -1,14 +1,7 @@
-"""Fine-tuning: which leaves an optimizer may move, and low-rank adapters on the experts.
+"""Low-rank adapters on the experts, for fine-tuning (which leaves train: `trainable.py`).
 
-    mask = trainable_mask(params)                  # False: frozen leaves (optax.masked, eqx.partition)
-    trainable, frozen = split_trainable(params)    # differentiate `trainable` only
-    params = merge_trainable(trainable, frozen)
     params = add_adapters(params, rank=16, key=key, targets=("gate_EDF", "up_EDF", "down_EFD"))
     merged = merge_adapters(params)                # float matrices, the adapters folded in
-
-Frozen leaves are the quantized matrices (`QuantizedArray`: the layer refuses to be
-differentiated in them, `quant.freeze`), the base matrix under an adapter, and the router's
-selection bias `router_bias` (moved by `update_router_bias`, not by gradients).
 
 An `Adapter` (LoRA, Hu et al. 2021) stands where an expert matrix `w: f[..., I, O]`
 (`gate_EDF`, `down_EFD`, a float array or a `QuantizedArray`) would, one low-rank update per
@@ -137,82 +130,6 @@ def _masked_low_rank(x_MI, a_GIR, b_GRO, sizes_G):
   h_MGR = jnp.where(mine_MG[:, :, None], h_MGR, 0.0).astype(x_MI.dtype)
   return jnp.einsum(
     "mgr,gro->mo", h_MGR, b_GRO.astype(x_MI.dtype), preferred_element_type=jnp.float32
-  )
-
-
-# --------------------------------------------------------------------------- masks
-
-
-def _moe_params_type():
-  # Imported here: params imports the matmuls, which import this module.
-  from moe_shard.params import MoEParams
-
-  return MoEParams
-
-
-def trainable_mask(tree: Any) -> Any:
-  """Returns True for each leaf an optimizer may move, False for the frozen ones.
-
-  Frozen: the arrays of every `QuantizedArray` (values and scales), the base matrix `w` of
-  every `Adapter`, and the `router_bias` of every `MoEParams` (aux-loss-free balancing's
-  selection bias, moved by `update_router_bias`). Everything else is True. Use it as the
-  labels of `optax.multi_transform` (`{True: tx, False: optax.set_to_zero()}`), the filter
-  of `eqx.partition`, or a mask of `optax.masked` (which passes the masked-out leaves'
-  updates through: it restricts a transformation, it does not freeze); `split_trainable`
-  splits a tree by it.
-
-  Args:
-    tree: any pytree: a `MoEParams` (or a stack of them), an Equinox module holding one, a
-      dict of them.
-
-  Returns:
-    a pytree of bools with the structure of `tree` (a `QuantizedArray` of two bools where
-    `tree` holds one).
-  """
-  MoEParams = _moe_params_type()
-
-  def one(x):
-    if is_quantized(x):
-      return dataclasses.replace(x, values=False, scales=False)
-    if is_adapter(x):
-      return dataclasses.replace(x, w=jax.tree.map(lambda _: False, x.w), a=one(x.a), b=one(x.b))
-    if isinstance(x, MoEParams):
-      fields = {
-        f.name: jax.tree.map(one, getattr(x, f.name), is_leaf=_is_node)
-        for f in dataclasses.fields(x)
-      }
-      return MoEParams(**{**fields, "router_bias": None if x.router_bias is None else False})
-    return True
-
-  return jax.tree.map(one, tree, is_leaf=_is_node)
-
-
-def _is_node(x):
-  return is_quantized(x) or is_adapter(x) or isinstance(x, _moe_params_type())
-
-
-def split_trainable(tree: Any) -> tuple[Any, Any]:
-  """Splits `tree` by `trainable_mask` into (trainable, frozen), each None where the other
-  holds the leaf (as `eqx.partition`): differentiate and optimize `trainable`, pass `frozen`
-  along, and `merge_trainable(trainable, frozen)` is `tree` again.
-
-  Args:
-    tree: as `trainable_mask`.
-
-  Returns:
-    (trainable, frozen): two pytrees of the structure of `tree` with None leaves.
-  """
-  mask = trainable_mask(tree)
-  trainable = jax.tree.map(lambda a, m: a if m else None, tree, mask)
-  frozen = jax.tree.map(lambda a, m: None if m else a, tree, mask)
-  return trainable, frozen
-
-
-def merge_trainable(trainable: Any, frozen: Any) -> Any:
-  """The tree `split_trainable` split: each leaf from `trainable`, or from `frozen` where
-  `trainable` holds None."""
-  return jax.tree.map(
-    lambda t, f: f if t is None else t, trainable, frozen, is_leaf=lambda x: x is None
   )
 
 

@@ -49,7 +49,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from moe_shard import _checks
-from moe_shard.quant import check_quantized, expand, is_quantized, stop_gradient
+from moe_shard.frozen import stop_gradient
+from moe_shard.quant import check_quantized, expand, is_quantized
 from moe_shard.remat import MOE_EXPERT_GATE, MOE_EXPERT_OUT, MOE_EXPERT_UP
 
 if TYPE_CHECKING:

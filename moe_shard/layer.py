@@ -58,10 +58,11 @@ from moe_shard.dispatch import (
   get_dispatch,
 )
 from moe_shard.experts import shared_experts
+from moe_shard.frozen import freeze
 from moe_shard.parallel.common import split_specs
 from moe_shard.params import MoEParams, _check_params, check_split_axes, moe_param_specs
 from moe_shard.placement import Placement, check_placement, concrete
-from moe_shard.quant import expand, freeze, is_quantized
+from moe_shard.quant import expand, is_quantized
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.replica_rule import StepPlacement
 from moe_shard.replicas import SlotParams

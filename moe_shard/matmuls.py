@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from moe_shard import adapters, quant
+from moe_shard import adapters, frozen, quant
 from moe_shard.kernels.grouped_matmul import grouped_matmul
 
 
@@ -35,7 +35,7 @@ def as_operand(w: Any, dtype: Any) -> Array:
   """`w` as a dot operand in `dtype`: a float matrix cast, a `QuantizedArray` dequantized
   (its gradient stopped: quantized matrices are frozen)."""
   if quant.is_quantized(w):
-    return quant.stop_gradient(w).dequantize(dtype)
+    return frozen.stop_gradient(w).dequantize(dtype)
   return w.astype(dtype)
 
 

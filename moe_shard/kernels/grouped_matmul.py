@@ -56,10 +56,11 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from moe_shard import _checks
+from moe_shard.frozen import stop_gradient, zero_cotangent
 from moe_shard.kernels.tiled import default_tiles, gmm_tiled, gmm_tiled_frozen, tile_sizes
 from moe_shard.kernels.tokamax import tokamax_gmm
 from moe_shard.kernels.tpu_tiling import DTYPES as MEGABLOX_DTYPES
-from moe_shard.quant import check_quantized, is_quantized, stop_gradient, zero_cotangent
+from moe_shard.quant import check_quantized, is_quantized
 from moe_shard.sharding import match_vma
 
 # What each Pallas kernel module needs beyond jax, named when its import fails.

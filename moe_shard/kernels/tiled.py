@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_shard.quant import is_quantized, zero_cotangent
+from moe_shard.frozen import zero_cotangent
+from moe_shard.quant import is_quantized
 from moe_shard.sharding import fori_while, zeros_varying
 
 DEFAULT_MAX_TILE = 256

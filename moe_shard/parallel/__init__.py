@@ -22,15 +22,16 @@ expert's whole gradient (`replicas.py`, with the fetch of a placement's slots).
 
 Modules: `common.py` (the layout of a call, its input checks and placement, and the
 weight-splitting steps every dispatch shares), `all_gather.py`, `all_to_all.py`,
-`ragged.py` (one dispatch each), `ragged_exchange.py` (the ragged dispatch's transport:
+`ragged.py` (one dispatch each; the ragged one's rounds in `ragged_rounds.py`), `ragged_exchange.py` (the ragged dispatch's transport:
 the native `lax.ragged_all_to_all`, or its emulation), `dense.py` (the shared experts).
 """
 
 from moe_shard.parallel.all_gather import moe_all_gather
 from moe_shard.parallel.all_to_all import OVERFLOW_SCOPE, moe_all_to_all
 from moe_shard.parallel.dense import shared_mlp
-from moe_shard.parallel.ragged import RAGGED_SCOPE, moe_ragged_all_to_all
+from moe_shard.parallel.ragged import moe_ragged_all_to_all
 from moe_shard.parallel.ragged_exchange import RAGGED_PLATFORMS, ragged_all_to_all_emulated
+from moe_shard.parallel.ragged_rounds import RAGGED_SCOPE
 from moe_shard.parallel.replicas import tie_replicas
 
 __all__ = [

@@ -16,6 +16,7 @@ from moe_shard import _checks, local
 from moe_shard import plan as plan_lib
 from moe_shard.balance import expert_load
 from moe_shard.experts import ExpertFFN
+from moe_shard.frozen import merge, split_frozen, zero_cotangent
 from moe_shard.parallel.common import (
   _prepare,
   gather_weights,
@@ -25,7 +26,6 @@ from moe_shard.parallel.common import (
 )
 from moe_shard.parallel.replicas import check_dispatch_placement, slot_inputs
 from moe_shard.placement import Placement
-from moe_shard.quant import merge, split_frozen, zero_cotangent
 from moe_shard.sharding import EXPERT, axis_size, fori_while, resolve_mesh, vary_over
 
 OVERFLOW_SCOPE = "a2a_overflow_rounds"

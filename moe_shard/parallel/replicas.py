@@ -25,13 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from moe_shard import _checks, replica_rule
 from moe_shard import placement as placement_lib
-from moe_shard import replica_rule
 from moe_shard.balance import expert_load
+from moe_shard.experts import as_ffn
+from moe_shard.frozen import stop_gradient
 from moe_shard.parallel.common import shard_map
 from moe_shard.parallel.ragged_exchange import ragged_exchange
 from moe_shard.placement import concrete
-from moe_shard.quant import is_quantized, stop_gradient
+from moe_shard.quant import is_quantized
 from moe_shard.sharding import axis_size, explicit_mesh, like, place
 
 
@@ -217,9 +219,6 @@ def check_dispatch_placement(fn, placement, w, mesh, expert_axis, slot_weights):
   `w` must hold the placement's E logical experts, or its S slots with `slot_weights`;
   the slots must divide over the expert axis.
   """
-  from moe_shard.experts import as_ffn
-  from moe_shard.sharding import axis_size
-
   if placement is None:
     if slot_weights:
       raise ValueError(f"{fn}: slot_weights=True needs the placement of the slots (got None)")
@@ -239,8 +238,6 @@ def check_dispatch_placement(fn, placement, w, mesh, expert_axis, slot_weights):
 
 
 def _checks_divisible(fn, E, n, expert_axis):
-  from moe_shard import _checks
-
   _checks.divisible(fn, "num_experts", E, f"the {expert_axis!r} axis size", n)
 
 
