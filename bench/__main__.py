@@ -1,7 +1,7 @@
-"""`python -m bench`: see `bench/cli.py`."""
+"""`python -m bench`: see `bench/command/cli.py`."""
 
 import sys
 
-from bench.cli import main
+from bench.command.cli import main
 
 sys.exit(main())

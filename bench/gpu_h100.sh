@@ -7,7 +7,7 @@
 #
 # Steps, each under its own time limit (a stuck step loses its own rows only):
 #   1. tests/test_gpu.py, test_tokamax.py, test_torch_peer.py      -> gpu_TAG_tests.log
-#   2. python -m bench.gpu --sweep: mosaic_gpu's block configs (bench.gpu SWEEP: the
+#   2. python -m bench.gpu --sweep: mosaic_gpu's block configs (bench.gpu_runs.gpu SWEEP: the
 #      warp-specialized kernels' and JAX's) at G = 8, 32, 128, each checked against the
 #      first, and torch._grouped_mm on the same values              -> gpu_TAG_sweep.{json,md}
 #   3. python -m bench.gpu: auto and torch._grouped_mm (tokamax too where its wheels are
@@ -83,13 +83,13 @@ XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   $TIMEOUT tests/test_gpu.py tests/test_tokamax.py tests/test_torch_peer.py 2>&1 | tee "$LOG"
 # 2. mosaic_gpu's block configs, each checked against the first, beside torch._grouped_mm.
 # shellcheck disable=SC2086
-step "$SWEEP_T" sweep "$PY" -m bench.gpu --sweep $SWEEP_G --repeats 5 \
+step "$SWEEP_T" sweep "$PY" -m bench.gpu_runs.gpu --sweep $SWEEP_G --repeats 5 \
   --out "$RESULTS/gpu_${TAG}_sweep"
 # 3. Grouped matmul against torch._grouped_mm (ragged_dot's rows: bench/results, earlier).
 GMM_IMPLS=auto,torch
 ls .whl/tokamax-*.whl >/dev/null 2>&1 && GMM_IMPLS=auto,tokamax,torch
 # shellcheck disable=SC2086
-step "$GMM_T" gmm "$PY" -m bench.gpu $GMM --repeats "$REPEATS" \
+step "$GMM_T" gmm "$PY" -m bench.gpu_runs.gpu $GMM --repeats "$REPEATS" \
   --impls "$GMM_IMPLS" --sizes uniform --out "$RESULTS/gpu_${TAG}_gmm"
 # 4. The layer against the torchtitan-style PyTorch layer, one file per E, 5 timed calls
 # each (compiling the programs takes most of the step).
@@ -103,7 +103,7 @@ done
 [ "$MODE" = --dry-run ] && exit 0
 
 # 5. Summary; results to $OUT for the device tool (at most 8 files come back: one archive).
-"$PY" -m bench.gpu_summary "$RESULTS" --tag "$TAG" --tests "$LOG" | tee "$RESULTS/gpu_${TAG}_summary.txt"
+"$PY" -m bench.gpu_runs.gpu_summary "$RESULTS" --tag "$TAG" --tests "$LOG" | tee "$RESULTS/gpu_${TAG}_summary.txt"
 if [ -n "${OUT:-}" ]; then
   (cd "$RESULTS" && tar czf "$OUT/gpu_${TAG}_results.tgz" gpu_"$TAG"_{tests.log,summary.txt} \
     $(ls gpu_"$TAG"_{sweep,gmm,layer,layer_e64}.{json,md} 2>/dev/null))

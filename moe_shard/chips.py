@@ -3,7 +3,7 @@ latency of a collective over the chips' interconnect.
 
 `impl="auto"` at decode sizes compares the dispatches' estimated times
 (`dispatch.decode_estimates`); the benchmark's roofline adds the same latency per collective
-(`bench.tpu.estimates`). A chip not listed here has no estimate: "auto" keeps its rule for
+(`bench.reading.tpu.estimates`). A chip not listed here has no estimate: "auto" keeps its rule for
 unpriced chips there.
 
     latency of one collective = ICI_HOP_S * hops(devices)
@@ -39,7 +39,7 @@ class Chip:
 # Sources: Cloud TPU system architecture pages, https://cloud.google.com/tpu/docs/v5e ("Peak
 # compute per chip (bf16) 197 TFLOPs", "HBM2 ... 819 GBps"), https://cloud.google.com/tpu/docs/v6e
 # ("918 TFLOPs", "HBM bandwidth per chip 1638 GBps"), https://cloud.google.com/tpu/docs/v5p
-# ("459" TFLOPs bf16, "HBM bandwidth per chip (GBps) 2765"): the peaks `bench.tpu.PEAKS` cites.
+# ("459" TFLOPs bf16, "HBM bandwidth per chip (GBps) 2765"): the peaks `bench.reading.tpu.PEAKS` cites.
 # Wraparound links: "How to Scale Your Model" (jax-ml/scaling-book), "All About TPUs": v5e
 # and v6e slices have no wraps on axes under 16; v4 and v5p have them on every axis of whole
 # 4x4x4 cubes, none on smaller slices ("a 2x2x4 won't have any wraparounds").

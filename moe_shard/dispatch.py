@@ -201,7 +201,7 @@ ROW_PASSES = 16
 # exchange there and back; the ragged dispatch first all-gathers its queues' counts. Each
 # one costs `chips.collective_latency_s` whatever its bytes. (all_to_all's pmax of the
 # rounds and the stats' psums run beside them.) The compiled programs' chains,
-# `bench.measure.dependent_collectives`, count the same.
+# `bench.reading.measure.dependent_collectives`, count the same.
 DEPENDENT_COLLECTIVES = {"all_to_all": 2, "ragged_all_to_all": 3}
 
 

@@ -20,7 +20,7 @@ from moe_shard.kernels.tpu_tiling import LANES, MAX_ROW_TILE, default_tiling
 # routing (`default_chunks`, `default_capacity`): one round, so the weights are read once.
 # A buffer's matmul does 2 * rows FLOPs per weight it reads (2 bytes in bf16), so it costs
 # less than reading the weight while rows stay under the chip's FLOPs per HBM byte: about
-# 240 on TPU v5e (197 TFLOP/s over 819 GB/s) and 560 on v6e, the peaks `bench/tpu.py` cites.
+# 240 on TPU v5e (197 TFLOP/s over 819 GB/s) and 560 on v6e, the peaks `bench/reading/tpu.py` cites.
 DECODE_ROWS = 128
 
 

@@ -103,7 +103,7 @@ FAULTS = {
     "the benchmark reports the overflow rounds (one fewer) as all_to_all's rounds",
     (
       (
-        "bench/accounting.py",
+        "bench/reading/accounting.py",
         "return 1 + -(-max(busiest_queue - first, 0) // overflow)",
         "return -(-max(busiest_queue - first, 0) // overflow)",
       ),
@@ -178,7 +178,7 @@ FAULTS = {
   ),
   "M": Fault(
     "the benchmark's convolution FLOPs ignore feature_group_count",
-    (("bench/measure.py", "groups = int(g.group(1)) if g else 1", "groups = 1"),),
+    (("bench/reading/hlo_ops.py", "groups = int(g.group(1)) if g else 1", "groups = 1"),),
     ("tests/test_measure.py", "-k", "convolution"),
   ),
   "N": Fault(

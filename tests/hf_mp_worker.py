@@ -27,7 +27,7 @@ import numpy as np
 def main():
   from jax.experimental import multihost_utils
 
-  from bench import distributed
+  from bench.command import distributed
   from moe_shard import hf
 
   parser = argparse.ArgumentParser()

@@ -124,7 +124,7 @@ def run(name, seed=0):
 def main():
   from jax.experimental import multihost_utils
 
-  from bench import distributed
+  from bench.command import distributed
 
   parser = argparse.ArgumentParser()
   distributed.add_arguments(parser)

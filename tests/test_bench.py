@@ -14,22 +14,16 @@ import numpy as np
 import pytest
 
 import moe_shard as ms
-from bench import (
-  ROUTINGS,
-  accounting,
-  baselines,
-  cli,
-  common,
-  flags,
-  impls,
-  measure,
-  reference,
-  report,
-)
-from bench import programs as progs
-from bench import run as bench_run
+from bench import ROUTINGS
+from bench.cases import baselines, build, common, impls, reference
+from bench.cases import programs as progs
+from bench.command import checks, cli, flags
+from bench.command import rows as row_facts
+from bench.command import run as bench_run
+from bench.reading import accounting, measure, replica_accounting
+from bench.reports import report
 
-SMALL = progs.Size(T=256, D=16, F=32, K=2)
+SMALL = build.Size(T=256, D=16, F=32, K=2)
 SMALL_ARGS = ["-T", "256", "-D", "16", "-F", "32", "-E", "8", "--repeats", "1", "--no-progress"]
 
 
@@ -68,7 +62,7 @@ def test_host_rounds_and_trip_counts_match_the_library(routing, mesh_name, reque
   """The host's rounds equal the library's stats; its trip counts cover every loop and
   give executed dot FLOPs of at least the routed ones."""
   mesh = request.getfixturevalue(mesh_name)
-  case = progs.make_case("kernel", 8, routing, SMALL, mesh)
+  case = build.make_case("kernel", 8, routing, SMALL, mesh)
   x, w, e, g, _ = case.args
   _, stats = ms.moe_all_to_all(x, w, e, g, mesh=mesh, return_stats=True)
   acc = impls.BENCH_IMPLS["all_to_all"].accounting(case)
@@ -131,7 +125,7 @@ def test_reported_rounds_match_an_independent_host_model(
   level, routing, mesh_name, chunk_size, request
 ):
   mesh = request.getfixturevalue(mesh_name)
-  case = progs.make_case(level, 8, routing, dataclasses.replace(SMALL, chunk_size=chunk_size), mesh)
+  case = build.make_case(level, 8, routing, dataclasses.replace(SMALL, chunk_size=chunk_size), mesh)
   want = independent_rounds(
     case.experts_TK, 8, (mesh.shape["expert"], mesh.shape["data"]), SMALL.K, chunk_size
   )
@@ -146,7 +140,7 @@ def test_ragged_host_accounting_matches_the_library(routing, mesh_name, request)
   received row (CPU: the emulation, no ragged-all-to-all in the program), and its exact
   forward bytes are the routing's own bound."""
   mesh = request.getfixturevalue(mesh_name)
-  case = progs.make_case("kernel", 8, routing, SMALL, mesh)
+  case = build.make_case("kernel", 8, routing, SMALL, mesh)
   x, w, e, g, _ = case.args
   _, stats = ms.moe_ragged_all_to_all(x, w, e, g, mesh=mesh, return_stats=True)
   acc = impls.BENCH_IMPLS["ragged_all_to_all"].accounting(case)
@@ -185,7 +179,7 @@ def test_ragged_capacity_written_out_equals_the_library(tokens, k, n, num_local)
 
 def test_layer_level_reports_the_rounds_the_host_counts(mesh42):
   """At layer level the routing comes from the biased router; the host recomputes it."""
-  case = progs.make_case("layer", 8, "hot_expert", SMALL, mesh42)
+  case = build.make_case("layer", 8, "hot_expert", SMALL, mesh42)
   load = np.bincount(case.experts_TK.ravel(), minlength=8)
   assert load[0] == SMALL.T  # the router's bias row makes expert 0 every token's choice
   y, _, rounds, dropped = progs.programs(case, "all_to_all")["fwd"](*case.args)
@@ -197,7 +191,7 @@ def test_layer_level_reports_the_rounds_the_host_counts(mesh42):
 
 
 def test_gshard_baseline_matches_the_reference_without_drops(mesh8):
-  case = progs.make_case("kernel", 8, "uniform", SMALL, mesh8)
+  case = build.make_case("kernel", 8, "uniform", SMALL, mesh8)
   x, w, e, g, _ = case.args
   y, dropped = jax.jit(lambda *a: baselines.gshard_moe(*a, mesh=mesh8, capacity_factor=8.0))(
     x, ms.Linear(w_EDF=w), e, g
@@ -225,7 +219,7 @@ def _slot_major_drops(experts_TK, groups, capacity):
 def test_gshard_drops_slot_major_past_capacity(mesh_name, routing, request):
   mesh = request.getfixturevalue(mesh_name)
   size = dataclasses.replace(SMALL, capacity_factor=1.0)
-  case = progs.make_case("kernel", 8, routing, size, mesh)
+  case = build.make_case("kernel", 8, routing, size, mesh)
   x, w, e, g, _ = case.args
   y, dropped = jax.jit(lambda *a: baselines.gshard_moe(*a, mesh=mesh, capacity_factor=1.0))(
     x, ms.Linear(w_EDF=w), e, g
@@ -244,9 +238,9 @@ def test_gshard_drops_slot_major_past_capacity(mesh_name, routing, request):
 
 
 def test_routing_bound_follows_the_skew(mesh8):
-  uniform = progs.make_case("kernel", 8, "uniform", SMALL, mesh8)
+  uniform = build.make_case("kernel", 8, "uniform", SMALL, mesh8)
   assert 1.0 <= accounting.routing_bound_bytes(uniform) / uniform.bound_bytes < 1.3
-  skewed = progs.make_case("kernel", 8, "one_device", SMALL, mesh8)
+  skewed = build.make_case("kernel", 8, "one_device", SMALL, mesh8)
   # Every token goes to experts 0 and 1 (K = 2), on devices 0 and 1. Device 0 returns F-wide
   # outputs for the 7 other devices' tokens and sends its own tokens' second items to
   # device 1, D wide.
@@ -396,7 +390,7 @@ def test_output_that_is_a_folder_fails_before_the_run(tmp_path, monkeypatch, cap
   ],
 )
 def test_mesh_flag_takes_sizes_or_named_axes(spec, axes):
-  assert flags.mesh_axes(spec) == axes
+  assert checks.mesh_axes(spec) == axes
   mesh = bench_run.make_mesh(spec, jax.devices())
   assert tuple(mesh.shape.items()) == axes
   assert bench_run.mesh_label(mesh) == spec
@@ -427,9 +421,9 @@ def test_split_axes_reach_the_layer_config_and_the_stored_bytes():
   a = flags.parser().parse_args(
     [*SMALL_ARGS, "--mesh", "expert=4,tensor=2", "--levels", "layer", "--model-layers", "3"]
   )
-  s = flags.settings(a)
+  s = checks.settings(a)
   assert (s["expert_tensor_axis"], s["expert_fsdp_axis"], s["model_layers"]) == ("tensor", None, 3)
-  s = flags.settings(flags.parser().parse_args([*SMALL_ARGS, "--mesh", "4x2", "--fsdp", "data"]))
+  s = checks.settings(flags.parser().parse_args([*SMALL_ARGS, "--mesh", "4x2", "--fsdp", "data"]))
   assert (s["expert_tensor_axis"], s["expert_fsdp_axis"]) == (None, "data")
   D, F, E = SMALL.D, SMALL.F, 8
   router = D * E * 4
@@ -441,27 +435,27 @@ def test_split_axes_reach_the_layer_config_and_the_stored_bytes():
   ]:
     mesh = bench_run.make_mesh(spec, jax.devices())
     size = dataclasses.replace(SMALL, **split)
-    case = progs.make_case("layer", E, "uniform", size, mesh, abstract=True)
+    case = build.make_case("layer", E, "uniform", size, mesh, abstract=True)
     assert (case.cfg.expert_tensor_axis, case.cfg.expert_fsdp_axis) == (
       split.get("expert_tensor_axis"),
       split.get("expert_fsdp_axis"),
     )
-    stored = bench_run.param_bytes(case.args[0])
+    stored = row_facts.param_bytes(case.args[0])
     assert stored["bytes"] == router + experts // 4 // (2 if split else 1)
-    model = bench_run.model_state_bytes(stored, 3)
+    model = row_facts.model_state_bytes(stored, 3)
     assert model["weights"] == model["grads"] == 3 * stored["bytes"]
     assert model["adam"] == 3 * 8 * stored["elems"]
-  s = flags.settings(flags.parser().parse_args([*SMALL_ARGS, "--shared-experts", "1"]))
+  s = checks.settings(flags.parser().parse_args([*SMALL_ARGS, "--shared-experts", "1"]))
   assert s["shared_experts"] == 1
   mesh = bench_run.make_mesh("8x1", jax.devices())
   plain, shared = (
-    progs.make_case("layer", E, "uniform", dataclasses.replace(SMALL, num_shared_experts=n), mesh)
+    build.make_case("layer", E, "uniform", dataclasses.replace(SMALL, num_shared_experts=n), mesh)
     for n in (0, 1)
   )
   assert shared.cfg.num_shared_experts == 1 and shared.args[0].shared is not None
   assert shared.routed_flops - plain.routed_flops == 3 * 2 * D * F * SMALL.T
   with pytest.raises(ValueError, match="d_ff \\(20\\) must be divisible by the tensor axis"):
-    progs.check_combination(
+    build.check_combination(
       dataclasses.replace(SMALL, F=20, expert_tensor_axis="tensor"),
       8,
       bench_run.make_mesh("expert=1,tensor=8", jax.devices()),
@@ -480,7 +474,7 @@ def test_memory_table_and_mesh_words():
     param_bytes=3 * 2**20,
     argument_bytes=5 * 2**20,
     temp_bytes=7 * 2**20,
-    model_state_bytes=bench_run.model_state_bytes({"bytes": 2e9, "elems": 1e9}, 2),
+    model_state_bytes=row_facts.model_state_bytes({"bytes": 2e9, "elems": 1e9}, 2),
   )
   lines = report.memory_section([row]).splitlines()
   assert lines[2] == "| 64 | 8 | fwd | all_to_all | 3.0 | 5.0 | 7.0 | 4.0 / 4.0 / 16.0 | 24.0 |"
@@ -495,13 +489,13 @@ def test_uniform_layer_routing_loads_every_expert_alike(mesh8):
   65536 items the busiest expert stays within 4 standard deviations of the mean, as under
   a uniform draw; the norms of a plain Gaussian draw's columns would skew the loads."""
   size = dataclasses.replace(SMALL, T=32768, D=128)
-  case = progs.make_case("layer", 64, "uniform", size, mesh8, abstract=True)
+  case = build.make_case("layer", 64, "uniform", size, mesh8, abstract=True)
   load = np.bincount(case.experts_TK.ravel(), minlength=64)
   mean = 32768 * 2 / 64
   assert load.max() < mean + 4 * np.sqrt(mean) and load.min() > mean - 4 * np.sqrt(mean)
-  w = progs.equal_logit_columns(np.random.default_rng(0).standard_normal((128, 64)))
+  w = build.equal_logit_columns(np.random.default_rng(0).standard_normal((128, 64)))
   np.testing.assert_allclose(w.T @ w, np.eye(64), atol=1e-5)
-  w = progs.equal_logit_columns(np.random.default_rng(0).standard_normal((16, 64)))
+  w = build.equal_logit_columns(np.random.default_rng(0).standard_normal((16, 64)))
   np.testing.assert_allclose(np.linalg.norm(w, axis=0), 1.0, rtol=1e-5)
 
 
@@ -551,13 +545,13 @@ def test_tpu_compile_in_the_programs_layouts(tmp_path, capsys):
 
 def test_tpu_estimates_use_cited_peaks():
   pytest.importorskip("libtpu")
-  from bench import tpu
+  from bench.reading import tpu
 
   devs = tpu.devices("v5e:2x4")
   assert len(devs) == 8 and "TPU" in devs[0].device_kind
   mesh = bench_run.make_mesh(None, devs)
   # E=16 on 8 chips: 2 experts per chip (one takes lax.ragged_dot, exact for one group).
-  case = progs.make_case(
+  case = build.make_case(
     "kernel", 16, "uniform", dataclasses.replace(SMALL, dtype="bfloat16"), mesh, abstract=True
   )
   compiled = progs.programs(case, "all_to_all")["fwd"].lower(*case.args).compile()
@@ -575,7 +569,7 @@ def test_tpu_estimates_use_cited_peaks():
   assert est["hbm_bytes_accessed"] == est["hbm_bytes_xla"] == measure.bytes_accessed(compiled)
   # Uniform routing: one round, so the overflow loop's body (counted once by XLA) never runs
   # and its bytes come off; run twice, they count twice.
-  from bench import hbm
+  from bench.reading import hbm
 
   assert trips[0]["a2a_overflow_rounds"] == 0
   never = tpu.estimates(compiled, flops, 1e6, "v5e:2x4", hbm.executed_bytes(compiled, trips[0]))
@@ -596,8 +590,8 @@ def test_a_loop_without_trip_count_is_counted_once_and_flagged():
       raise ValueError("measure: while loop while.1 has no known trip count")
     return {"executed": 10.0 * default_trip_count}
 
-  assert bench_run._counted(measured, None, {}) == {"executed": 10.0, "loop_counted_once": True}
-  assert bench_run._counted(lambda c, t: {"executed": 3.0}, None, {}) == {"executed": 3.0}
+  assert row_facts.counted(measured, None, {}) == {"executed": 10.0, "loop_counted_once": True}
+  assert row_facts.counted(lambda c, t: {"executed": 3.0}, None, {}) == {"executed": 3.0}
   row = dict(
     level="kernel",
     impl="jit_gshard_einsum",
@@ -648,7 +642,7 @@ def test_a_dispatch_defined_outside_the_package_runs_in_the_layer_and_the_benchm
   """Adding a dispatch touches nothing in moe_shard/: the layer takes the function as
   `impl`, the benchmark as a registered entry; both check it against the NumPy reference."""
   mesh = bench_run.make_mesh("4x2", jax.devices())
-  case = progs.make_case("layer", 8, "zipf", SMALL, mesh)
+  case = build.make_case("layer", 8, "zipf", SMALL, mesh)
   params, x, _ = case.args
   cfg = dataclasses.replace(case.cfg, impl=dense_one_hot)
   y, aux = jax.jit(lambda p, x: ms.moe_layer(p, x, cfg, mesh=mesh))(params, x)
@@ -687,7 +681,7 @@ def test_deepseek_like_layer_matches_the_reference_and_the_host_routing(mesh8):
   size = dataclasses.replace(
     SMALL, K=4, score_func="sigmoid", num_groups=4, top_k_groups=2, routed_scaling=2.5
   )
-  case = progs.make_case("layer", 16, "zipf", size, mesh8)
+  case = build.make_case("layer", 16, "zipf", size, mesh8)
   groups_TK = case.experts_TK // 4  # expert e is in group e // (E / G)
   assert all(len(set(g)) <= 2 for g in groups_TK)  # at most 2 groups per token
   y, _, rounds, dropped = progs.programs(case, "all_to_all")["fwd"](*case.args)
@@ -701,8 +695,8 @@ def test_deepseek_like_layer_matches_the_reference_and_the_host_routing(mesh8):
 def test_a_compile_only_case_holds_no_input_on_the_host(mesh8):
   """A --tpu case of 256 GiB of x: every argument is a ShapeDtypeStruct with its sharding,
   and the routing is sampled shard by shard (drawing x would raise ArrayMemoryError)."""
-  size = progs.Size(T=2**16, D=2**20, F=32, K=2)
-  case = progs.make_case("layer", 8, "zipf", size, mesh8, abstract=True)
+  size = build.Size(T=2**16, D=2**20, F=32, K=2)
+  case = build.make_case("layer", 8, "zipf", size, mesh8, abstract=True)
   leaves = jax.tree.leaves(case.args)
   assert leaves and all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves)
   assert all(a.sharding.mesh == mesh8 for a in leaves)
@@ -716,14 +710,14 @@ def test_a_compile_only_case_holds_no_input_on_the_host(mesh8):
 def test_sampled_routing_follows_the_routing_of_drawn_inputs(groups, mesh8, monkeypatch):
   """Below HOST_DRAW_BYTES a compile routes the x a run draws; past it the sampled routing
   loads the experts as that one does."""
-  size = progs.Size(
+  size = build.Size(
     T=8192, D=64, F=32, K=4, score_func="sigmoid", num_groups=groups, top_k_groups=min(groups, 2)
   )
-  drawn = progs.make_case("layer", 16, "zipf", size, mesh8, abstract=True)
-  run = progs.make_case("layer", 16, "zipf", size, mesh8)
+  drawn = build.make_case("layer", 16, "zipf", size, mesh8, abstract=True)
+  run = build.make_case("layer", 16, "zipf", size, mesh8)
   np.testing.assert_array_equal(drawn.experts_TK, run.experts_TK)
-  monkeypatch.setattr(progs, "HOST_DRAW_BYTES", 0)
-  sampled = progs.make_case("layer", 16, "zipf", size, mesh8, abstract=True)
+  monkeypatch.setattr(build, "HOST_DRAW_BYTES", 0)
+  sampled = build.make_case("layer", 16, "zipf", size, mesh8, abstract=True)
   assert not np.array_equal(drawn.experts_TK, sampled.experts_TK)
   if groups > 1:
     assert all(len(set(g)) <= 2 for g in sampled.experts_TK // 4)
@@ -736,8 +730,8 @@ def test_a_program_too_big_for_the_host_is_a_row_not_a_kill():
   # Simulated CPU devices share the host's memory: a program whose buffers, times the
   # devices, would not fit is reported, not run (the kernel would kill the process).
   compiled = jax.jit(lambda a: a * 2).lower(jnp.ones((256, 256))).compile()
-  assert bench_run._host_memory_short(compiled) is None
-  why = bench_run._host_memory_short(compiled, fraction=0.0)
+  assert row_facts.host_memory_short(compiled) is None
+  why = row_facts.host_memory_short(compiled, fraction=0.0)
   assert why.startswith("not run: needs") and "simulated devices" in why
   row = dict(
     level="layer", impl="all_gather", T=32768, E=64, routing="uniform", mode="fwd_bwd", error=why
@@ -748,7 +742,7 @@ def test_a_program_too_big_for_the_host_is_a_row_not_a_kill():
 
 MALLOC_PROBE = """
 import ctypes, sys
-from bench import malloc
+from bench.command import malloc
 class Info(ctypes.Structure):
   _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
               "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -849,27 +843,27 @@ def test_quantized_expert_bytes_and_model_state_by_hand(mesh8):
   matrix D*F/2 bytes of packed e2m1 codes and D/32*F one-byte exponents (0.53 bytes a
   weight, bf16's 2), no gradient or Adam state for them (frozen)."""
   D, F, E, L = 64, 128, 8, 3
-  size = progs.Size(T=64, D=D, F=F, K=2, dtype="bfloat16")
+  size = build.Size(T=64, D=D, F=F, K=2, dtype="bfloat16")
   router = D * E * 4  # float32, replicated
   bf16_experts = 3 * D * F * 2  # gate, up, down: one expert per device
   mxfp4_experts = 2 * (D * F // 2 + D // 32 * F) + (F * D // 2 + F // 32 * D)
   held = {}
   for fmt in (None, "mxfp4", "int8"):
-    case = progs.make_case(
+    case = build.make_case(
       "layer", E, "uniform", dataclasses.replace(size, weights_format=fmt), mesh8, abstract=True
     )
-    held[fmt] = bench_run.param_bytes(case.args[0])
+    held[fmt] = row_facts.param_bytes(case.args[0])
   assert held[None]["expert_bytes"] == bf16_experts and held[None]["frozen_bytes"] == 0
   assert held["mxfp4"]["expert_bytes"] == mxfp4_experts == held["mxfp4"]["frozen_bytes"]
   assert held["mxfp4"]["bytes"] == router + mxfp4_experts
   assert held["mxfp4"]["expert_bytes"] / bf16_experts == pytest.approx(0.53125 / 2)
   # int8: one byte a weight and one float32 scale per output column of each matrix.
   assert held["int8"]["expert_bytes"] == 3 * D * F + 4 * (2 * F + D)
-  model = bench_run.model_state_bytes(held["mxfp4"], L)
+  model = row_facts.model_state_bytes(held["mxfp4"], L)
   assert model["weights"] == L * (router + mxfp4_experts)
   assert model["experts"] == L * mxfp4_experts
   assert model["grads"] == L * router and model["adam"] == L * 8 * D * E
-  float_model = bench_run.model_state_bytes(held[None], L)
+  float_model = row_facts.model_state_bytes(held[None], L)
   assert float_model["grads"] == float_model["weights"] == L * (router + bf16_experts)
 
 
@@ -900,8 +894,8 @@ def test_a_block_that_does_not_divide_a_matrix_is_a_usage_error(capsys):
 
 
 def test_weights_formats_name_the_float_entry_by_the_case_dtype():
-  assert flags.weights_formats(None, "float32") == ["float32"]
-  assert flags.weights_formats("bfloat16,int8,float32,mxfp4", "float32") == [
+  assert checks.weights_formats(None, "float32") == ["float32"]
+  assert checks.weights_formats("bfloat16,int8,float32,mxfp4", "float32") == [
     "float32",
     "int8",
     "mxfp4",
@@ -945,10 +939,10 @@ def test_placed_accounting_matches_the_layer(placement, impl, mesh42):
   the layer's rounds and each expert-axis position's rows; "static" skews a 4 x 2 mesh
   onto one expert and spreads it over 4 redundant slots."""
   size = dataclasses.replace(SMALL, T=512, placement=placement, replicas=4)
-  case = progs.make_case("layer", 8, "zipf", size, mesh42)
+  case = build.make_case("layer", 8, "zipf", size, mesh42)
   if placement == "step":  # a plan that pays at these sizes
     case.placement = ms.StepPlacement(spare_slots=1, rows_per_moved_expert=0)
-  acc, rows = accounting.placed(impls.BENCH_IMPLS[impl].accounting, case, False, impl)
+  acc, rows = replica_accounting.placed(impls.BENCH_IMPLS[impl].accounting, case, False, impl)
   cfg = dataclasses.replace(case.cfg, impl=impl)
   params, x, _ = case.args
   with jax.set_mesh(mesh42):
@@ -959,5 +953,10 @@ def test_placed_accounting_matches_the_layer(placement, impl, mesh42):
   np.testing.assert_array_equal(rows.reshape(4, 2).sum(1), aux["device_load"])
   if placement == "step":
     assert int(aux["step_placement"]) == 1
-  unplaced = accounting.chip_rows(case.experts_TK, 8, case)
+  unplaced = replica_accounting.chip_rows(case.experts_TK, 8, case)
   assert rows.max() < unplaced.max()  # the replicas take load off the busiest device
+
+
+def test_the_parser_describes_itself_as_the_cli_does():
+  # flags.py holds the CLI's first docstring line as a constant (cli.py imports flags.py).
+  assert flags.parser().description == cli.__doc__.split("\n")[0]

@@ -1,4 +1,4 @@
-"""The benchmark's bound (`bench/bound.py`) and model presets (`bench/models.py`)."""
+"""The benchmark's bound (`bench/reading/bound.py`) and model presets (`bench/cases/models.py`)."""
 
 import json
 import re
@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 
 import moe_shard as ms
-from bench import bound, cli, flags, models, report
-from bench import programs as progs
-from bench import run as bench_run
+from bench.cases import build, models
+from bench.cases import programs as progs
+from bench.command import checks, cli, flags
+from bench.command import rows as row_facts
+from bench.command import run as bench_run
+from bench.reading import bound
+from bench.reports import report
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +55,9 @@ def test_touched_on_the_busiest_device_counts_distinct_experts():
 
 
 def test_bound_of_a_kernel_case_by_hand(mesh8):
-  size = progs.Size(T=16, D=4, F=6, K=2)
-  case = progs.make_case("kernel", 8, "uniform", size, mesh8)
-  held = bench_run.param_bytes(case.args[1])
+  size = build.Size(T=16, D=4, F=6, K=2)
+  case = build.make_case("kernel", 8, "uniform", size, mesh8)
+  held = row_facts.param_bytes(case.args[1])
   assert held["bytes"] == 4 * 6 * 4  # one f32 [4, 6] expert per device
   touched = 1 - (6 / 8) ** 16
   x, y = 2 * 4 * 4, 2 * 6 * 4  # 2 tokens per device: x read, y written
@@ -70,9 +74,9 @@ def test_bound_of_a_kernel_case_by_hand(mesh8):
 
 
 def test_bound_counts_quantized_experts_as_stored_and_frozen(mesh8):
-  size = progs.Size(T=16, D=64, F=64, K=2, dtype="bfloat16", weights_format="int8")
-  case = progs.make_case("layer", 8, "uniform", size, mesh8, abstract=True)
-  held = bench_run.param_bytes(case.args[0])
+  size = build.Size(T=16, D=64, F=64, K=2, dtype="bfloat16", weights_format="int8")
+  case = build.make_case("layer", 8, "uniform", size, mesh8, abstract=True)
+  held = row_facts.param_bytes(case.args[0])
   # int8 values and one float32 scale per output column, for gate, up and down.
   assert held["expert_bytes"] == held["frozen_bytes"] == 3 * (64 * 64 + 64 * 4)
   touched = 1 - (6 / 8) ** 16
@@ -136,7 +140,7 @@ PRESETS = {
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_each_preset_is_its_published_config(name):
   assert models.settings(name) == PRESETS[name]
-  s = flags.settings(flags.parser().parse_args(["--preset", name]))
+  s = checks.settings(flags.parser().parse_args(["--preset", name]))
   assert {k: s[k] for k in PRESETS[name]} == dict(
     PRESETS[name], experts=[int(PRESETS[name]["experts"])]
   )
@@ -153,11 +157,11 @@ def test_flags_given_override_the_preset():
   a = flags.parser().parse_args(
     ["--preset", "deepseek-v3", "-K", "4", "-D", "256", "--shared-experts", "0", "-E", "64"]
   )
-  s = flags.settings(a)
+  s = checks.settings(a)
   assert (s["top_k"], s["d_model"], s["d_ff"], s["shared_experts"]) == (4, 256, 2048, 0)
   assert s["experts"] == [64] and s["router"]["num_groups"] == 8
-  with pytest.raises(flags.UsageError, match="layer settings"):
-    flags.settings(flags.parser().parse_args(["--preset", "gpt-oss-120b", "--levels", "kernel"]))
+  with pytest.raises(checks.UsageError, match="layer settings"):
+    checks.settings(flags.parser().parse_args(["--preset", "gpt-oss-120b", "--levels", "kernel"]))
 
 
 def test_a_preset_runs_on_cpu_with_its_router_and_rows_carry_the_bound(tmp_path, capsys):
@@ -223,7 +227,7 @@ ENTRY %main (n: s32[], o: s32[5], g: s32[6], t: s32[6], x: bf16[64,128], v: s8[4
     level="layer", E=16, mesh=types.SimpleNamespace(shape={ms.EXPERT: 4}), experts_TK=experts_TK
   )
   row = dict(hbm_bytes_no_prefetch=1e6, compute_s=1e-9, ici_s=1e-9)
-  got = bench_run._expected(row, case, hlo, {}, "v5e:2x4")
+  got = row_facts.expected_roofline(row, case, hlo, {}, "v5e:2x4")
   assert got["hbm_bytes_expected"] == 1e6 - 4 * 128 * 256 / 4
   assert got["roofline_expected_s"] == pytest.approx(got["hbm_bytes_expected"] / 819e9)
 

@@ -32,7 +32,7 @@ def test_collective_latency_of_tpu_slices_and_none_elsewhere():
   assert chips.ICI_HOP_S == 1e-6
   assert chips.collective_latency_s(jax.devices("cpu")) is None  # no published figure
   pytest.importorskip("libtpu")
-  from bench import tpu
+  from bench.reading import tpu
 
   assert chips.collective_latency_s(tpu.devices("v5e:2x4")) == pytest.approx(4e-6)
   assert chips.collective_latency_s(tpu.devices("v6e:2x4")) == pytest.approx(4e-6)
@@ -40,7 +40,7 @@ def test_collective_latency_of_tpu_slices_and_none_elsewhere():
 
 
 def test_chip_figures_agree_with_the_benchmarks_peaks():
-  from bench import tpu
+  from bench.reading import tpu
 
   for kind, gen in (("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"), ("TPU v5", "v5p")):
     c = chips.chip(kind)

@@ -231,7 +231,7 @@ def _all_of(path):
 
 
 def test_benchmarks_page_is_generated():
-  from bench import docs_page
+  from bench.reports import docs_page
 
   assert (DOCS / "benchmarks.md").read_text() == docs_page.page(), (
     "docs/benchmarks.md is out of date: run `python -m bench.docs_page`"
@@ -257,7 +257,7 @@ def _run(load, times_s, settings=None, temp_bytes=100):
 
 
 def test_run_to_run_tabulates_every_run_and_the_ranges():
-  from bench import docs_page
+  from bench.reports import docs_page
 
   def times(a2a, gshard, scan, dense):
     return dict(all_to_all=a2a, jit_gshard_einsum=gshard, jit_masked_scan=scan, dense_limit=dense)

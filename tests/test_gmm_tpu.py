@@ -231,8 +231,8 @@ def test_compiles_for_tpu_in_shard_map():
   assert "all-reduce" in text
   # gmm, gmm^T, tgmm, each declaring 2*m*k*n FLOPs on the per-device problem, its rows
   # padded (45 -> 128) and its columns not (8 and 12: partial tiles, w is not copied):
-  # what `bench.gmm_tpu.kernel_costs` reads.
-  from bench.gmm_tpu import fetched_bytes, kernel_costs
+  # what `bench.kernel_runs.gmm_tpu.kernel_costs` reads.
+  from bench.kernel_runs.gmm_tpu import fetched_bytes, kernel_costs
 
   assert [f for f, _ in kernel_costs(text)] == [2 * 128 * 8 * 12] * 3
   assert set(re.findall(r"bf16\[6,\d+,\d+\]", text)) == {"bf16[6,8,12]"}  # w never padded
@@ -347,7 +347,7 @@ def test_fetched_once_bytes_bound_the_grid_walk(sizes, transpose):
   """With one contraction tile the declared bytes are x per output tile, each w[g] once
   and y: at least what the grid walk fetches (equal when no group is empty), and below
   megablox's formula; with two contraction tiles, None (megablox's own)."""
-  from bench.gmm_tpu import fetched_bytes
+  from bench.kernel_runs.gmm_tpu import fetched_bytes
 
   M, K, N, b, G = 1024, 256, 512, 2, len(sizes)
   w_shape = (G, N, K) if transpose else (G, K, N)
@@ -411,10 +411,10 @@ def _lowered_for(topology, tiling=None):
 
 
 def test_fetched_bytes_follow_the_block_indices():
-  """`bench.gmm_tpu.fetched_bytes`: a block is copied when its index changes between grid
+  """`bench.kernel_runs.gmm_tpu.fetched_bytes`: a block is copied when its index changes between grid
   steps. M=1024 rows in 256-row tiles, K=256, N=512, bf16, groups [300, 0, 724]: tiles
   0, 1 (shared by groups 0 and 2), 1, 2, 3 are visited."""
-  from bench.gmm_tpu import fetched_bytes
+  from bench.kernel_runs.gmm_tpu import fetched_bytes
 
   sizes, M, K, N, b = [300, 0, 724], 1024, 256, 512, 2
   x, y, w = M * K * b, M * N * b, K * N * b  # x and y whole, one group's w

@@ -125,7 +125,7 @@ def test_partial_last_row_tile(fmt):
 
 def test_the_grid_never_visits_an_empty_group():
   """The kernel's grid steps and the w block each one fetches (its group, `group_ids`):
-  every row tile once, the empty groups' matrices never (`bench.hbm.grouped_kernels`
+  every row tile once, the empty groups' matrices never (`bench.reading.hbm.grouped_kernels`
   counts the weights the grid skips from this)."""
   sizes = jnp.array([40, 0, 0, 24, 0, 64], jnp.int32)  # 128 rows, tm 32: 4 row tiles
   (_, group_ids, m_tile_ids), steps = tpu_quant._visit_every_tile(sizes, 160, 32)

@@ -1,4 +1,4 @@
-"""The one-command GPU run (`bench/gpu_h100.sh`) and its summary (`bench/gpu_summary.py`),
+"""The one-command GPU run (`bench/gpu_h100.sh`) and its summary (`bench/gpu_runs/gpu_summary.py`),
 on CPU: the steps the script runs and their time limits, and the ratios the summary reads
 from result rows."""
 
@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 
-from bench import gpu_summary
+from bench.gpu_runs import gpu_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +74,7 @@ def test_sweep_checks_every_config_against_the_first(monkeypatch):
   forward and forward+backward, and the wrong config's is large."""
   import jax
 
-  from bench import gpu
+  from bench.gpu_runs import gpu
 
   def fake_gmm(x, w, gs, blocks):
     y = jax.lax.ragged_dot(x, w, gs)

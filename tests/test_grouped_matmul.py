@@ -21,7 +21,7 @@ import moe_shard as ms
 
 # The module (the package re-exports the function under the same name).
 gmm = importlib.import_module("moe_shard.kernels.tiled")
-from bench import accounting  # noqa: E402
+from bench.reading import accounting  # noqa: E402
 
 
 def _inputs(M, D, F, group_sizes, dtype=jnp.float32, seed=0):

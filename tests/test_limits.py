@@ -1,4 +1,4 @@
-"""The benchmark's limit rows (`bench/baselines.py`): what they compute and in which dtype.
+"""The benchmark's limit rows (`bench/cases/baselines.py`): what they compute and in which dtype.
 
 * `dense_limit` in bfloat16: every matmul touching the expert weights, forward and
   backward, is bfloat16 x bfloat16 in the lowered program (a float32 result would make the
@@ -13,17 +13,18 @@ import jax
 import numpy as np
 import pytest
 
-from bench import measure
-from bench import programs as progs
-from bench.run import make_mesh
+from bench.cases import build
+from bench.cases import programs as progs
+from bench.command.run import make_mesh
+from bench.reading import measure
 
 T, D, F, E, K = 64, 32, 48, 8, 2  # F appears in no other dimension: it marks expert matmuls
 
 
 def _case(level, dtype, devices=None):
   mesh = make_mesh(None, devices or jax.devices())
-  size = progs.Size(T=T, D=D, F=F, K=K, dtype=dtype)
-  return progs.make_case(level, E, "uniform", size, mesh)
+  size = build.Size(T=T, D=D, F=F, K=K, dtype=dtype)
+  return build.make_case(level, E, "uniform", size, mesh)
 
 
 def _dots(text):

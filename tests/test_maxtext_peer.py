@@ -1,9 +1,9 @@
-"""The host-side counts of `bench.maxtext_peer` (MaxText itself is not imported here)."""
+"""The host-side counts of `bench.peers.maxtext_peer` (MaxText itself is not imported here)."""
 
 import numpy as np
 import pytest
 
-from bench import maxtext_peer as mp
+from bench.peers import maxtext_layer as mp
 
 
 def test_capacity_drops_matches_maxtexts_own_example():

@@ -11,10 +11,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from bench import measure
+from bench.reading import hlo_ops, measure
 
 gmm = importlib.import_module("moe_shard.kernels.tiled")
-from bench import accounting  # noqa: E402
+from bench.reading import accounting  # noqa: E402
 
 N = 8  # simulated devices (tests/conftest.py)
 
@@ -338,7 +338,7 @@ def test_wire_bytes_use_the_replica_group_size():
 )
 def test_group_size_forms(attrs, size):
   # The three ways XLA prints replica groups (explicit, iota, mesh axes).
-  assert measure._group_size(attrs) == size
+  assert hlo_ops._group_size(attrs) == size
 
 
 def test_path_keys_tell_nested_loops_with_the_same_scope_apart():
@@ -413,7 +413,7 @@ def test_valid_taps_match_xlas_loop():
     dilated = (n_in - 1) * lhs_dilate + 1 + pad_lo + pad_hi
     n_out = max(0, (dilated - (size - 1) * rhs_dilate - 1) // stride + 1)
     args = [int(a) for a in (n_out, n_in, size, stride, pad_lo, lhs_dilate, rhs_dilate)]
-    assert measure._valid_taps(*args) == _xla_valid_taps(*args), args
+    assert hlo_ops._valid_taps(*args) == _xla_valid_taps(*args), args
 
 
 def _conv(x, w, i=None):
@@ -536,7 +536,7 @@ def _copy_loop(x, count):
 
 @pytest.mark.parametrize("trips", [0, 1, 5])
 def test_executed_bytes_scale_loop_bodies_by_their_trip_counts(trips):
-  from bench import hbm
+  from bench.reading import hbm
 
   M, K = 128, 256
   compiled = measure.compile_fn(_copy_loop, _spec((M, K)), _spec((), jnp.int32))
@@ -558,7 +558,7 @@ def test_executed_bytes_scale_loop_bodies_by_their_trip_counts(trips):
 
 
 def test_pallas_tpu_kernel_bytes_are_its_declared_cost():
-  from bench import hbm
+  from bench.reading import hbm
 
   text = """HloModule m
 
@@ -574,7 +574,7 @@ ENTRY %main (p0: bf16[512,256], p1: bf16[2,256,128]) -> bf16[512,128] {
 
 
 def test_a_prefetch_into_vmem_is_counted_apart():
-  from bench import hbm
+  from bench.reading import hbm
 
   # A weight copied into VMEM (memory space S(1)), then read by the matmul from there.
   text = """HloModule m
@@ -595,7 +595,7 @@ ENTRY %main (x: bf16[8,256], w: s8[256,512]) -> bf16[8,512] {
 
 
 def test_an_eviction_out_of_vmem_reads_vmem():
-  from bench import hbm
+  from bench.reading import hbm
 
   # A value made in VMEM and copied out to HBM (for a later use): the copy writes HBM only.
   text = """HloModule m
@@ -615,7 +615,7 @@ ENTRY %main (x: bf16[8,256]) -> bf16[8,256] {
 
 
 def test_grouped_kernels_are_told_by_their_grid_metadata():
-  from bench import hbm
+  from bench.reading import hbm
 
   # A grouped matmul's Pallas call: grid steps, 4 + 1 group offsets, group and row-tile ids,
   # then x and an int8 matrix per group with its scales; and another Pallas call.

@@ -1,7 +1,7 @@
 """Expert parallelism across processes: 2 processes x 4 CPU devices, gloo collectives.
 
 Each test starts two `tests/mp_worker.py` processes on localhost, joined by
-`jax.distributed` through `bench/distributed.py`. One test compares their `moe_layer`
+`jax.distributed` through `bench/command/distributed.py`. One test compares their `moe_layer`
 forward and backward, in each of `mp_worker.CONFIGS` (all_to_all and all_gather, Auto and
 Explicit meshes, capacity mode), with the same computation in this process (8 simulated
 devices) and with the float64 layer model of `layer_oracle.py`; the

@@ -422,7 +422,7 @@ def test_auto_is_ragged_on_tpu_and_chunked_on_cpu():
   assert ms.choose_impl(cfg, mesh("1x8-auto")) == "ragged_dot"  # one device on the axis
   assert ms.choose_impl(cfg) == "ragged_dot"
   pytest.importorskip("libtpu")
-  from bench import tpu
+  from bench.reading import tpu
 
   tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")).reshape(4, 2), (ms.EXPERT, ms.DATA))
   assert ms.choose_impl(cfg, tpu_mesh) == "ragged_all_to_all"
@@ -504,7 +504,7 @@ def test_decode_rule_at_and_past_its_threshold(D, want):
   below the weights' bytes), so the ragged dispatch wins past 16 * 224 * D * 2 bytes =
   4 us * 819 GB/s, D = 457."""
   pytest.importorskip("libtpu")
-  from bench import tpu
+  from bench.reading import tpu
   from moe_shard.dispatch import ROW_PASSES, decode_estimates
 
   assert ROW_PASSES == 16
@@ -540,7 +540,7 @@ def test_choose_impl_takes_tokens_per_device():
   with pytest.raises(TypeError, match=re.escape("choose_impl: tokens must be an int (got 1.5)")):
     ms.choose_impl(cfg, mesh("8x1-auto"), tokens=1.5)
   pytest.importorskip("libtpu")
-  from bench import tpu
+  from bench.reading import tpu
 
   tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")), (ms.EXPERT,))
   assert ms.choose_impl(cfg, tpu_mesh, tokens=64) == "all_to_all"
@@ -551,7 +551,7 @@ def test_choose_impl_at_decode_counts_the_buffer_rows_and_weight_bytes():
   # A Mixtral-like layer, one expert a chip: all_to_all's first receive buffer holds
   # 8 x plan.padded_load(64 * 2 / 8) = 8 x 32 = 256 rows at 64 tokens per chip.
   pytest.importorskip("libtpu")
-  from bench import tpu
+  from bench.reading import tpu
 
   tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")).reshape(8, 1), (ms.EXPERT, ms.DATA))
   cfg = ms.MoEConfig(d_model=128, d_ff=128, num_experts=8, top_k=2, param_dtype=jnp.bfloat16)
@@ -571,7 +571,7 @@ def test_layer_on_tpu_picks_by_tokens_per_device(tokens, ragged):
   pytest.importorskip("libtpu")
   from jax.sharding import NamedSharding
 
-  from bench import tpu
+  from bench.reading import tpu
 
   tpu_mesh = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")), (ms.EXPERT,))
   cfg = ms.MoEConfig(d_model=128, d_ff=128, num_experts=8, top_k=2, gmm_impl="ragged_dot")
@@ -664,7 +664,7 @@ def test_tpu_program_has_ragged_all_to_all_and_no_emulation():
   pytest.importorskip("libtpu")
   from jax.sharding import NamedSharding
 
-  from bench import measure, tpu
+  from bench.reading import measure, tpu
 
   m = jax.sharding.Mesh(np.array(tpu.devices("v5e:2x4")).reshape(4, 2), (ms.EXPERT, ms.DATA))
   T, D, F, E, K = 256, 128, 256, 8, 2

@@ -1,4 +1,4 @@
-"""The benchmark's PyTorch peers (`bench/torch_peer.py`) and the rows that carry them.
+"""The benchmark's PyTorch peers (`bench/peers/torch_peer.py`) and the rows that carry them.
 
 PyTorch is never a dependency: where it does not import, the peer rows of `python -m bench`
 and `python -m bench.gpu` say "not run" with the reason (checked here with PyTorch hidden),
@@ -19,7 +19,7 @@ import pytest
 from cases import assert_close
 
 import moe_shard as ms
-from bench import torch_peer
+from bench.peers import torch_peer
 
 try:
   torch = importlib.import_module("torch")
@@ -46,7 +46,7 @@ def test_unavailable_names_the_reason(no_torch):
 
 
 def test_the_layer_row_says_why_it_did_not_run(no_torch, tmp_path):
-  from bench import cli
+  from bench.command import cli
 
   out = tmp_path / "rows.json"
   args = ["-T", "64", "-D", "16", "-F", "32", "-E", "4", "--mesh", "1x1", "--repeats", "1"]

@@ -25,7 +25,7 @@ group's tiles measured slower on XLA:CPU: it adds a zero fill and a copy per gro
 and backward both do only the routed FLOPs, plus the same padding.
 
 Every loop runs under a `jax.named_scope` ("gmm_groups", "gmm_tile_<t>") that XLA keeps in
-the HLO, so the benchmark (`bench/accounting.py`, `bench/measure.py`) can multiply each loop
+the HLO, so the benchmark (`bench/reading/accounting.py`, `bench/reading/measure.py`) can multiply each loop
 body by its trip count.
 
 Inside `jax.shard_map` (with check_vma), loop carries are created from the inputs

@@ -173,7 +173,7 @@ def fetched_once_bytes(lhs_shape, w_shape, tiling, itemsize, out_itemsize, trans
   contraction tile, w[g]'s block stays while consecutive row tiles belong to group g, so
   each output-column tile fetches each group's w[g] block once: G matrices at most in all,
   x once per output-column tile and y once. megablox declares one whole w[g] per possible
-  row tile, M/tm + G - 1 of them, for any tiling (`bench.gmm_tpu.fetched_bytes` walks the
+  row tile, M/tm + G - 1 of them, for any tiling (`bench.kernel_runs.gmm_tpu.fetched_bytes` walks the
   grid); XLA's "bytes accessed" takes the declared figure.
 
   Args:

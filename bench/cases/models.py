@@ -65,7 +65,7 @@ CONFIGS = {
   ),
 }
 
-# MoEConfig fields a preset hands to the benchmark's Size (`bench.programs.Size`) as they are.
+# MoEConfig fields a preset hands to the benchmark's Size (`bench.cases.build.Size`) as they are.
 ROUTER_FIELDS = (
   "score_func",
   "num_groups",

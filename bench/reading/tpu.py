@@ -71,7 +71,7 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None, dependent=N
     flops: `measure.executed_flops(compiled, trip_counts)` of one device.
     wire_bytes: collective bytes one device sends (loops scaled).
     topology: e.g. "v5e:2x4".
-    hbm_bytes: `bench.hbm.executed_bytes(compiled, trip_counts)` of one device (default
+    hbm_bytes: `bench.reading.hbm.executed_bytes(compiled, trip_counts)` of one device (default
       None: XLA's figure, loop bodies once).
     dependent: `measure.dependent_collectives(compiled, trip_counts)` (default None: no
       latency term).
@@ -85,13 +85,13 @@ def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None, dependent=N
     counts; hbm_bytes_accessed) over HBM bandwidth, bytes sent over ICI bandwidth.
     hbm_bytes_xla is XLA's own figure (bodies once). With `hbm_bytes`, also
     hbm_bytes_no_prefetch (its "no_prefetch": less the bytes of values in VMEM, which
-    XLA counts as HBM's; `bench.hbm`) and roofline_no_prefetch_s, the roofline with it.
+    XLA counts as HBM's; `bench.reading.hbm`) and roofline_no_prefetch_s, the roofline with it.
     With `dependent`, also dependent_collectives (that count) and latency_s: it times
     `collective_latency_s(topology)`, the time the chain of collectives waits on the
     interconnect whatever their bytes, which the rooflines above leave out (add it to
     either: a collective's result is what the next step waits for).
   """
-  from bench import measure
+  from bench.reading import measure
 
   ca = measure._cost(compiled)
   opt = float(ca.get("optimal_seconds", -1.0))

@@ -14,9 +14,9 @@ Each row's `bound_s` (a lower bound per device, where the platform's peaks are c
     shared experts') over the devices, forward (x3 with the backward). A skewed routing's
     busiest device does more, so the even split stays a lower bound.
 
-The peaks are `bench.tpu.PEAKS` (cited per TPU generation). A CPU host has no published
+The peaks are `bench.reading.tpu.PEAKS` (cited per TPU generation). A CPU host has no published
 HBM bandwidth or peak (and shares its cores with whatever else runs), and the GPU rows come
-from `bench/gpu.py`: there rows carry `bound_bytes` and `bound_flops`, and no `bound_s`.
+from `bench/gpu_runs/gpu.py`: there rows carry `bound_bytes` and `bound_flops`, and no `bound_s`.
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def bound(case, stored, mode, peak=None):
   """The bound of one case and mode, per device.
 
   Args:
-    case: a `bench.programs.Case`.
-    stored: `bench.run.param_bytes` of the layer's parameters (layer level), or of the
+    case: a `bench.cases.build.Case`.
+    stored: `bench.command.rows.param_bytes` of the layer's parameters (layer level), or of the
       kernel's expert matrices w (kernel level).
     mode: "fwd" or "fwd_bwd".
-    peak: {"flops", "hbm"} (`bench.tpu.PEAKS`), or None where the platform has none.
+    peak: {"flops", "hbm"} (`bench.reading.tpu.PEAKS`), or None where the platform has none.
 
   Returns:
     dict: bound_bytes, bound_flops, touched_experts (per device; expected under uniform

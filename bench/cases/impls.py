@@ -2,7 +2,7 @@
 
 An entry names a dispatch of the library (`ms.DISPATCHES`) or holds a dispatch function of
 the library's signature `(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg) -> (y_TD, stats)`,
-and beside it the function giving its host-side accounting (`bench/accounting.py`: rounds,
+and beside it the function giving its host-side accounting (`bench/reading/accounting.py`: rounds,
 items dropped, loop trip counts). The benchmark runs every entry the same way: the layer
 with `MoEConfig(impl=dispatch)`, the kernel level through the dispatch with one matrix per
 expert. "jit_" entries are the local algorithms under `jax.jit` on sharded inputs (XLA
@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Callable
 
 import moe_shard as ms
-from bench import accounting, baselines
+from bench.cases import baselines
+from bench.reading import accounting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ def _auto_accounting(case, on_tpu=False):
 
 
 def _torch_moe(case):
-  from bench import torch_peer  # imports PyTorch only when the row runs
+  from bench.peers import torch_peer  # imports PyTorch only when the row runs
 
   try:
     return torch_peer.moe_programs(case)
@@ -104,7 +105,7 @@ BENCH_IMPLS = {
   # The limits and the PyTorch peer compute with float matrices of their own.
   "dense_limit": Impl(None, programs=baselines.dense_limit, quantized=False),
   "matmul_limit": Impl(None, programs=baselines.matmul_limit, quantized=False),
-  # A torchtitan-style PyTorch layer (`bench/torch_peer.py`): one CUDA device, layer level.
+  # A torchtitan-style PyTorch layer (`bench/peers/torch_peer.py`): one CUDA device, layer level.
   "torch_moe": Impl(None, programs=_torch_moe, foreign=True, quantized=False),
 }
 

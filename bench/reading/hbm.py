@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 import re
 
-from bench import measure
+from bench.reading import hlo_ops, measure
 
 _VMEM_RE = re.compile(r"S\(1\)")  # memory space 1 (VMEM) in a layout, e.g. {1,0:T(8,128)S(1)}
 _DECLARED_RE = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"')
@@ -179,7 +179,7 @@ def grouped_kernels(compiled_or_text, trip_counts=None):
       declared = _DECLARED_RE.search(ins.attrs) if ins.opcode == "custom-call" else None
       if not declared or 'custom_call_target="tpu_custom_call"' not in ins.attrs:
         continue
-      shapes = [measure._dims(types.get(o, "")) for o in ins.operands]
+      shapes = [hlo_ops._dims(types.get(o, "")) for o in ins.operands]
       kinds = [types.get(o, "")[:4] for o in ins.operands]
       if len(shapes) < 3 or shapes[0] != [] or len(shapes[1]) != 1 or kinds[:2] != ["s32[", "s32["]:
         continue

@@ -13,7 +13,7 @@ is never a dependency of moe_shard, of its tests or of CI: it is imported here, 
     `_grouped_mm`s for gate, up and down with SwiGLU between, the combine weights applied
     to the outputs in float32 (torchtitan's `score_before_experts=False`), and a scatter-add
     back to the tokens. No shared experts, no load-balancing term. For the layer
-    benchmark's "torch_moe" row (`bench/impls.py`), on the case's own weights and inputs.
+    benchmark's "torch_moe" row (`bench/cases/impls.py`), on the case's own weights and inputs.
 
 Every program ends with `torch.cuda.synchronize()`, so the benchmark's wall-clock timing
 (`common.time_in_turns`, which blocks on JAX arrays only) times finished GPU work.
@@ -79,7 +79,7 @@ def _synced(fn):
 
 
 def grouped_mm_programs(x, w, group_sizes, dy):
-  """`torch._grouped_mm` on the inputs of one `bench.gpu` case.
+  """`torch._grouped_mm` on the inputs of one `bench.gpu_runs.gpu` case.
 
   Args:
     x: bf16[M, D]; w: bf16[G, D, F]; group_sizes: i32[G]; dy: bf16[M, F] (JAX arrays).

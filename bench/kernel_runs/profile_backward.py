@@ -1,6 +1,6 @@
 """Where the time of the all_to_all layer goes, forward and backward, against the dense limit.
 
-    python -m bench.profile_backward [--T 2048,8192] [-E 8,64] [--repeats 5] [--hlo]
+    python -m bench.kernel_runs.profile_backward [--T 2048,8192] [-E 8,64] [--repeats 5] [--hlo]
 
 On the 8x1 mesh ("expert" x "data", 8 simulated CPU devices), D=512, F=1024, K=2, SwiGLU,
 float32, for each (T, E) it times in turns (medians; every program of a case in the same
@@ -40,7 +40,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_shard as ms
-from bench import common, malloc
+from bench.cases import common
+from bench.command import malloc
 from moe_shard import plan as plan_lib
 from moe_shard.kernels.grouped_matmul import grouped_matmul
 
@@ -249,7 +250,7 @@ def print_big_ops(text):
 
 def main(argv=None):
   p = argparse.ArgumentParser(
-    prog="python -m bench.profile_backward", description=__doc__.split("\n")[0]
+    prog="python -m bench.kernel_runs.profile_backward", description=__doc__.split("\n")[0]
   )
   p.add_argument("--T", default="2048,8192", help="token counts (default 2048,8192)")
   p.add_argument("-E", default="8,64", help="expert counts (default 8,64)")
@@ -259,7 +260,7 @@ def main(argv=None):
     "--system-malloc",
     action="store_true",
     help="keep glibc's malloc defaults (default: reuse freed memory, as "
-    "`python -m bench` does; bench/malloc.py)",
+    "`python -m bench` does; bench/command/malloc.py)",
   )
   args = p.parse_args(argv)
   allocator = malloc.SYSTEM if args.system_malloc else malloc.reuse_freed_memory()

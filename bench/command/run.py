@@ -1,9 +1,9 @@
 """Running the benchmark: the devices and mesh, compiling, measuring and timing each case.
 
-Every implementation of a case (`bench/impls.py`) gets the same sharded inputs
-(`bench/programs.py`); FLOPs and bytes are read from the compiled program (`bench/measure.py`)
-with the loop counts of `bench/accounting.py`; forward outputs are checked against an
-independent NumPy reference (`bench/reference.py`).
+Every implementation of a case (`bench/cases/impls.py`) gets the same sharded inputs
+(`bench/cases/programs.py`); FLOPs and bytes are read from the compiled program (`bench/reading/measure.py`)
+with the loop counts of `bench/reading/accounting.py`; forward outputs are checked against an
+independent NumPy reference (`bench/cases/reference.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import re
 import sys
 import time
 
-from bench.flags import UsageError, mesh_axes
+from bench.command import rows as row_facts
+from bench.command.checks import UsageError, mesh_axes
 
 
 def ask_for_devices(count, num_processes):
@@ -53,7 +54,7 @@ def backend_started():
 
 def make_mesh(spec, devices):
   """The Auto mesh of `--mesh`: ("expert", "data") for "8x1" (default: every device on
-  expert), or the named axes of "expert=8,tensor=8" in that order (`flags.mesh_axes`)."""
+  expert), or the named axes of "expert=8,tensor=8" in that order (`checks.mesh_axes`)."""
   import jax
   import numpy as np
 
@@ -108,15 +109,15 @@ class Progress:
 
 def run(s, a, mesh, progress_enabled, tpu_topology=None):
   """Measures every (level, E, routing) case; returns the rows."""
-  from bench import common, malloc
-  from bench import programs as progs
-  from bench.flags import SCALING
-  from bench.impls import BENCH_IMPLS
+  from bench.cases import build, common
+  from bench.cases.impls import BENCH_IMPLS
+  from bench.command import malloc
+  from bench.command.presets import SCALING
 
   def sizes_and_cases(part):
     return [
       (
-        progs.Size(
+        build.Size(
           T=T,
           D=part["d_model"],
           F=part["d_ff"],
@@ -151,7 +152,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
   for size, (lv, E, _) in cases:  # every impossible combination before any work
     for fmt, rank in variants:
       try:
-        progs.check_combination(
+        build.check_combination(
           dataclasses.replace(size, weights_format=fmt, adapter_rank=rank), E, mesh, lv
         )
       except ValueError as err:
@@ -172,7 +173,7 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
     checks = []  # (case, its rows, its timed programs, kept) of each format
     for fmt, rank in variants:
       size = dataclasses.replace(base_size, weights_format=fmt, adapter_rank=rank)
-      case = progs.make_case(
+      case = build.make_case(
         level, E, routing, size, mesh, abstract=bool(tpu_topology), seed=a.seed
       )
       kept = {}
@@ -199,10 +200,10 @@ def run(s, a, mesh, progress_enabled, tpu_topology=None):
         row["gflops"] = row["routed_flops"] / t["median"] / 1e9
       last = {id(row): out for (_, _, row), out in zip(timed, outputs)}
       for case, fmt_rows, fmt_timed, kept in checks:
-        _errors(case, fmt_rows, fmt_timed, kept, last)
+        row_facts.errors(case, fmt_rows, fmt_timed, kept, last)
       del outputs[:], last
       bar.step(f"checked {level} E={E} {routing}")
-    _efficiency(case_rows)
+    row_facts.efficiency(case_rows)
     rows += case_rows
   return rows
 
@@ -211,18 +212,20 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
   """Compiles (and, off TPU, readies for timing) every impl of `impls` on one case with one
   weights format: appends its rows to `case_rows`, the programs to time to `timed` as
   (program, args, row), and the items each dispatch keeps to `kept`."""
-  from bench import accounting, bound, measure, tpu
-  from bench import programs as progs
-  from bench.impls import BENCH_IMPLS, NotRun
+  from bench.cases import programs as progs
+  from bench.cases.impls import BENCH_IMPLS, NotRun
+  from bench.reading import accounting, bound, measure, replica_accounting, tpu
 
   level, E, routing, size, mesh = case.level, case.E, case.routing, case.size, case.mesh
   routing_bound = accounting.routing_bound_bytes(case)
   # The bound is the problem's: from the logical parameters when args[0] hold slots.
   logical = case.logical_params if case.logical_params is not None else case.args[0]
-  stored = param_bytes(logical) if level == "layer" else None
-  held_params = param_bytes(case.args[0]) if level == "layer" else None  # as stored (slots)
+  stored = row_facts.param_bytes(logical) if level == "layer" else None
+  held_params = (
+    row_facts.param_bytes(case.args[0]) if level == "layer" else None
+  )  # as stored (slots)
   peak = tpu.PEAKS.get(tpu.generation(tpu_topology)) if tpu_topology else None
-  held = stored or param_bytes(case.args[1])  # the layer's parameters, or the kernel's w
+  held = stored or row_facts.param_bytes(case.args[1])  # the layer's parameters, or the kernel's w
   bounds = {m: bound.bound(case, held, m, peak) for m in s["modes"]}
   for impl in impls:
     entry = BENCH_IMPLS[impl]
@@ -232,8 +235,8 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
     except NotRun as err:  # e.g. the PyTorch peer without PyTorch or a GPU
       fns, impl_args, not_run = None, None, f"not run: {err}"
     # The per-step placement runs one branch of a lax.cond: its figures are that branch's.
-    branch = accounting.step_branch(case) if case.size.placement == "step" else case
-    acc, device_rows = accounting.placed(entry.accounting, branch, bool(tpu_topology), impl)
+    branch = replica_accounting.step_branch(case) if case.size.placement == "step" else case
+    acc, device_rows = replica_accounting.placed(entry.accounting, branch, bool(tpu_topology), impl)
     rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
     if entry.programs is None or entry.foreign:  # checked against the MoE reference
       kept[impl] = acc.kept
@@ -298,7 +301,7 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
           base["param_layout"] = "program"
         compiled = program.lower(*args).compile()
       except Exception as err:
-        case_rows.append(dict(base, error=_one_line(err)))
+        case_rows.append(dict(base, error=row_facts.one_line(err)))
         bar.step(f"failed {level} E={E} {routing} {impl} {mode}")
         if tpu_topology:
           bar.step(f"skipped {level} E={E} {routing} {impl} {mode}")
@@ -309,13 +312,13 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
       if branch is not case and tpu_topology:  # estimates: the branch that runs
         branch_fns, branch_args = progs.programs_and_args(branch, impl)
         compiled = branch_fns[mode].lower(*branch_args).compile()
-      short = None if tpu_topology else _host_memory_short(compiled)
+      short = None if tpu_topology else row_facts.host_memory_short(compiled)
       if short:  # simulated devices share the host's memory: running would be killed
         case_rows.append(dict(base, error=short))
         continue
-      executed, busiest, busiest_trips = _executed_flops(compiled, trips)
+      executed, busiest, busiest_trips = row_facts.busiest_flops(compiled, trips)
       # Every device sends the same slots in every round: device 0's counts serve.
-      coll = _counted(measure.collective_bytes, compiled, trips[0])
+      coll = row_facts.counted(measure.collective_bytes, compiled, trips[0])
       approx = bool(coll.pop("loop_counted_once", False) or busiest.get("loop_counted_once"))
       if acc.sent_bytes and "ragged-all-to-all" in coll:  # sized at run time: the host's
         coll["ragged-all-to-all"]["wire_bytes"] = acc.sent_bytes[mode]
@@ -346,11 +349,11 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
           expert_bytes=held_params["expert_bytes"],
         )
         if s.get("model_layers"):
-          row["model_state_bytes"] = model_state_bytes(held_params, s["model_layers"])
+          row["model_state_bytes"] = row_facts.model_state_bytes(held_params, s["model_layers"])
       if tpu_topology:
-        from bench import hbm
+        from bench.reading import hbm
 
-        chain = _counted(measure.dependent_collectives, compiled, trips[0])
+        chain = row_facts.counted(measure.dependent_collectives, compiled, trips[0])
         row.update(
           tpu.estimates(
             compiled,
@@ -361,226 +364,10 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
             dependent=chain,
           )
         )
-        row.update(_expected(row, case, compiled, busiest_trips, tpu_topology))
+        row.update(row_facts.expected_roofline(row, case, compiled, busiest_trips, tpu_topology))
         if a.hbm_table:
           row["hbm_table"] = hbm.table(compiled, busiest_trips, top=a.hbm_table)
         bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
       else:
         timed.append((compiled, args, row))
       case_rows.append(row)
-
-
-def _expected(row, case, compiled, trips, topology):
-  """The roofline less VMEM prefetches with the grouped-matmul kernels' weights counted for
-  the groups their grids visit (`hbm.grouped_kernels`): every local expert the host routing
-  sends a row to on the device that touches the most (`bound.touched_on_busiest`). XLA
-  counts every group's matrix, as each kernel declares; the grid never fetches an empty
-  group's. {} without the count less VMEM prefetches or a local-expert kernel."""
-  from bench import bound, hbm, tpu
-  from moe_shard import EXPERT
-
-  peak = tpu.PEAKS.get(tpu.generation(topology))
-  if "hbm_bytes_no_prefetch" not in row or peak is None or case.level != "layer":
-    return {}
-  L = case.E // case.mesh.shape[EXPERT]
-  visited = bound.touched_on_busiest(case.experts_TK, case.E, case.mesh.shape[EXPERT])
-  skipped = sum(
-    k["runs"] * k["weight_bytes"] * (1 - visited / L)
-    for k in hbm.grouped_kernels(compiled, trips)
-    if k["groups"] == L
-  )
-  expected = row["hbm_bytes_no_prefetch"] - skipped
-  return dict(
-    hbm_bytes_expected=expected,
-    roofline_expected_s=max(row["compute_s"], expected / peak["hbm"], row["ici_s"]),
-  )
-
-
-def param_bytes(params):
-  """What one device stores of `params` (arrays or ShapeDtypeStructs with shardings, an
-  `ms.MoEParams`), summed over the leaves' shard shapes: {"bytes", "elems", "expert_bytes",
-  "frozen_bytes", "frozen_elems"}.
-
-  expert_bytes: the routed experts' matrices as held (values and scales when quantized);
-  frozen_*: the quantized ones (`ms.QuantizedArray`), which get no gradient.
-  """
-  import jax
-  import numpy as np
-
-  import moe_shard as ms
-
-  def held(a):  # (bytes, elements) of one device's shard of an array
-    n = int(np.prod(a.sharding.shard_shape(a.shape)))
-    return n * np.dtype(a.dtype).itemsize, n
-
-  out = dict.fromkeys(("bytes", "elems", "expert_bytes", "frozen_bytes", "frozen_elems"), 0)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=ms.quant.is_quantized):
-    frozen = ms.quant.is_quantized(leaf)
-    for a in leaf.arrays() if frozen else (leaf,):
-      b, n = held(a)
-      out["bytes"] += b
-      out["elems"] += n
-      if frozen:
-        out["frozen_bytes"] += b
-        out["frozen_elems"] += n
-      # The routed experts' matrices: rank 3 (their biases are [E, out]).
-      if jax.tree_util.keystr(path).startswith(".experts") and (frozen or leaf.ndim == 3):
-        out["expert_bytes"] += b
-  return out
-
-
-def model_state_bytes(stored, layers):
-  """Per device, a model of `layers` such layers: {"layers", "weights", "experts", "grads",
-  "adam", "total"}, in bytes but the first.
-
-  Weights as stored (`param_bytes`), of which "experts" (where `stored` has
-  "expert_bytes") are the routed experts' matrices (values and scales when quantized); gradients in the weights' dtypes and Adam's two
-  moments in float32 (8 bytes per parameter) of the trainable leaves only: quantized
-  matrices are frozen. Activations not included.
-  """
-  w = stored["bytes"] * layers
-  frozen_b, frozen_n = stored.get("frozen_bytes", 0), stored.get("frozen_elems", 0)
-  out = {
-    "layers": layers,
-    "weights": w,
-    **({"experts": stored["expert_bytes"] * layers} if "expert_bytes" in stored else {}),
-    "grads": (stored["bytes"] - frozen_b) * layers,
-    "adam": 8 * (stored["elems"] - frozen_n) * layers,
-  }
-  out["total"] = out["weights"] + out["grads"] + out["adam"]
-  return out
-
-
-def seconds(row):
-  """A row's time: the median wall time, or for a TPU compile the roofline estimate."""
-  if "time_s" in row:
-    return row["time_s"]["median"]
-  return row.get("roofline_s")
-
-
-def _efficiency(rows):
-  """Sets each row's `efficiency`: the dense limit's time over its own (same mode)."""
-  limit = {r["mode"]: seconds(r) for r in rows if r["impl"] == "dense_limit" and "error" not in r}
-  for r in rows:
-    t = seconds(r) if "error" not in r else None
-    if limit.get(r["mode"]) and t:
-      r["efficiency"] = limit[r["mode"]] / t
-
-
-def _host_memory_short(compiled, fraction=0.75):
-  """Why running `compiled` on this host's simulated CPU devices would exhaust its memory,
-  or None: temp + argument + output bytes per device (`memory_analysis()`) times the local
-  devices, against `fraction` of the memory available now (Linux `sysconf`; None where it
-  is unknown). `run` returns what malloc holds freed to the kernel before each case
-  (`malloc.release_freed_memory`), so that figure includes it."""
-  import jax
-
-  from bench import measure
-
-  if jax.default_backend() != "cpu":
-    return None
-  try:
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-  except (ValueError, OSError, AttributeError):
-    return None
-  mem = measure.memory_bytes(compiled)
-  need = (mem["temp"] + mem["argument"] + mem["output"]) * jax.local_device_count()
-  if need <= fraction * avail:
-    return None
-  return (
-    f"not run: needs {need / 2**30:.1f} GiB of host memory for "
-    f"{jax.local_device_count()} simulated devices, {avail / 2**30:.1f} GiB available"
-  )
-
-
-def _one_line(err):
-  """The first line of an exception's message, with its type."""
-  text = str(err).strip().splitlines()
-  return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
-
-
-def _counted(fn, compiled, trips):
-  """`fn(compiled, trips)`; a loop XLA wrote with no trip count it shows (and none of ours)
-  is counted as running once per entry, and the result says so ("loop_counted_once")."""
-  try:
-    return fn(compiled, trips)
-  except ValueError:
-    out = fn(compiled, trips, default_trip_count=1)
-    return dict(out, loop_counted_once=True) if isinstance(out, dict) else out
-
-
-def _executed_flops(compiled, trips):
-  """(FLOPs executed summed over devices, `executed_flops` of the busiest device, its trip
-  counts), from each device's trip counts (devices with equal counts share one
-  evaluation)."""
-  from bench import measure
-
-  by_counts = {}
-  for t in trips:
-    key = tuple(sorted(t.items()))
-    if key not in by_counts:
-      by_counts[key] = _counted(measure.executed_flops, compiled, t)
-  per_device = [by_counts[tuple(sorted(t.items()))] for t in trips]
-  i = max(range(len(trips)), key=lambda d: per_device[d]["executed"])
-  return sum(f["executed"] for f in per_device), per_device[i], trips[i]
-
-
-def _errors(case, rows, timed, kept, outputs):
-  """Each forward's error against the reference computed in NumPy from the host routing
-  (`bench/reference.py`, float32 with float64 sums, on the same rounded inputs) without the
-  items each implementation drops (`kept`: impl -> bool[T, K] or None): `rel_err`,
-  ||y - ref|| / ||ref|| over the whole output, and `max_abs_err`, max |y - ref|. The
-  layer's reported rounds and drops are recorded beside.
-
-  `rel_err` is the dtype's rounding (about 1e-6 in float32, 1e-3 in bfloat16) unless items
-  go wrong. `outputs`: id(row) -> the last output of the row's timed program
-  (`common.time_in_turns`), which is checked. `max_abs_err` is one element's: a token routed to another expert than the
-  host's (a near tie in its router logits, which XLA:GPU computes in TF32 by default) puts
-  a whole expert's output there, O(|y|), while adding about sqrt(1/T) to `rel_err`."""
-  import jax
-  import numpy as np
-
-  import moe_shard as ms
-  from bench import reference
-
-  if jax.process_count() > 1:
-    return  # the outputs are not all on this process
-  # Quantized matrices as the float values they stand for: the reference of the
-  # dequantized weights (`ms.dequantize_experts`), which the layer computes with; adapters
-  # folded into their matrices (`ms.merge_adapters`).
-  host = [
-    np.asarray(jax.device_get(v.dequantize() if ms.quant.is_quantized(v) else v))
-    if not hasattr(v, "router_DE")
-    else jax.tree.map(
-      lambda a: np.asarray(jax.device_get(a)), ms.dequantize_experts(ms.merge_adapters(v))
-    )
-    # Slot-major parameters ("served"): the reference reads the logical ones.
-    for v in (case.args if case.logical_params is None else (case.logical_params, *case.args[1:]))
-  ]
-  refs = {}
-  for _, _, row in timed:
-    if row["mode"] != "fwd":
-      continue
-    if row["impl"] not in kept:
-      continue  # not a dispatch (the dense limit): nothing to check against
-    keep = kept[row["impl"]]
-    key = None if keep is None else keep.tobytes()
-    if key not in refs:
-      refs[key] = (
-        reference.kernel(*host[:4], kept=keep)
-        if case.level == "kernel"
-        else reference.layer(host[0], host[1], case.cfg, case.experts_TK, kept=keep)
-      )
-    out = outputs[id(row)]  # the program's last timed output
-    y = out if case.level == "kernel" else out[0]
-    if case.level == "layer":  # what the layer reports, against the host's count
-      row["rounds_reported"], row["dropped_reported"] = int(out[2]), int(out[3])
-    if hasattr(y, "detach"):  # a PyTorch peer's output
-      from bench import torch_peer
-
-      got = torch_peer.to_numpy(y)
-    else:
-      got = np.asarray(jax.device_get(y), np.float32)
-    ref = refs[key]
-    row["max_abs_err"] = float(np.max(np.abs(got - ref)))
-    row["rel_err"] = float(np.linalg.norm(got - ref) / max(float(np.linalg.norm(ref)), 1e-30))

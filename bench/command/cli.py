@@ -6,7 +6,7 @@
     python -m bench --tpu v5e:2x4      # compile for a TPU slice here: estimates, not runs
 
 Every implementation of a case gets the same sharded inputs (tokens over every mesh axis,
-expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JAX is given
+expert weights over "expert"); see `bench/cases/programs.py`. On a CPU-only machine JAX is given
 `--devices` (default 8) simulated CPU devices. Each row (case x impl x mode):
 
   time: median (min, max) wall seconds over up to --repeats runs after a warm-up, all
@@ -19,12 +19,12 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
     their ratio to the cost model's lower bound T_dev*K*(N-1)/N*(D + F_out)*bytes (x2 for
     forward+backward).
   temp MiB: temp memory per device (`memory_analysis()`).
-  Timed on CPU with glibc's malloc set to reuse freed memory (`bench/malloc.py`; XLA:CPU
+  Timed on CPU with glibc's malloc set to reuse freed memory (`bench/command/malloc.py`; XLA:CPU
     allocates a program's temporaries on each call, and fresh pages fault on first touch);
     --system-malloc keeps glibc's defaults. The results file records which.
   --tpu only: roofline = max(compute, HBM, ICI) per device, from executed FLOPs, HBM bytes
     and bytes sent over the chip's peaks; HBM GB: XLA's "bytes accessed" as XLA counts it
-    (loop bodies once) / with loop bodies times their trip counts (`bench/hbm.py`), the
+    (loop bodies once) / with loop bodies times their trip counts (`bench/reading/hbm.py`), the
     second being the one the roofline uses. The collectives' latency (`latency_s`): the
     longest chain of collectives that wait on each other (`dependent_collectives`) times a
     published fixed cost per collective (1 us per ICI hop between the slice's farthest
@@ -32,23 +32,23 @@ expert weights over "expert"); see `bench/programs.py`. On a CPU-only machine JA
   bound ms (roofline/bound, the roofline less VMEM prefetches over it, that plus the
     latency over it; then, after a semicolon, that with the grouped matmuls' weights
     counted for the groups their grids visit, which XLA counts in full
-    (`roofline_expected_s`); or time/bound): `bench/bound.py`, per device, the larger of the
+    (`roofline_expected_s`); or time/bound): `bench/reading/bound.py`, per device, the larger of the
     bytes read and written at the least (the parameters as stored, the routed experts' only
     for those the routing is expected to touch, and the activations) over HBM bandwidth and
     the routed FLOPs over peak, where the chip's peaks are cited (TPU); rows elsewhere carry
     bound_bytes and bound_flops only. --preset NAME: a published model's layer
-    (`bench/models.py`).
+    (`bench/cases/models.py`).
   rounds: all_to_all dispatch rounds; dropped: (token, slot) items the capacity-factor
     baseline drops (the others are dropless).
   rel err (max abs): the forward against a NumPy reference of the same inputs and host
     routing (float32, float64 sums): ||y - ref|| / ||ref|| over the whole output, and in
     brackets max |y - ref|, which one token routed otherwise (a near tie of its router
-    logits, TF32 on a GPU) makes O(|y|) (`run._errors`).
+    logits, TF32 on a GPU) makes O(|y|) (`rows.errors`).
   dense_limit, matmul_limit: the routed FLOPs as dense matmuls per device, no dispatch
-    (`bench/baselines.py`): the first with the layer's SwiGLU and float32 router (eff. is
+    (`bench/cases/baselines.py`): the first with the layer's SwiGLU and float32 router (eff. is
     its time over each row's), the second the matmuls alone in the case's dtype.
   auto: the library's default dispatch on the mesh; torch_moe: a torchtitan-style PyTorch
-    layer on one CUDA device (`bench/torch_peer.py`), elsewhere "not run" with the reason.
+    layer on one CUDA device (`bench/peers/torch_peer.py`), elsewhere "not run" with the reason.
   weights: with --weights-format, the routed experts' matrices as held: the case's dtype, or
     int8, fp8 or mxfp4 (`ms.QuantizedArray`; rel err against the dequantized values). Rows
     that take float matrices only (jit_gshard_einsum, dense_limit, matmul_limit, torch_moe)
@@ -66,9 +66,12 @@ import json
 import os
 import sys
 
-from bench import malloc, report
-from bench.flags import UsageError, parser, settings
-from bench.run import ask_for_devices, backend_started, make_mesh, mesh_label, run
+from bench.command import malloc
+from bench.command.checks import UsageError, settings
+from bench.command.flags import parser
+from bench.command.run import ask_for_devices, backend_started, make_mesh, mesh_label, run
+from bench.reports import files as result_files
+from bench.reports import report
 
 
 def main(argv=None):
@@ -107,13 +110,15 @@ def _main(argv):
     print(report.headline(rows))
     print(report.table(rows))
     a.json = None  # the file itself stays as it was
-    for path in report.write(rows, saved["machine"], saved["argv"], saved.get("settings", s), a):
+    for path in result_files.write(
+      rows, saved["machine"], saved["argv"], saved.get("settings", s), a
+    ):
       print("wrote", path)
     return 0
   if a.tpu and not backend_started():
     # Compile only: no TPU is opened, so libtpu's one-process lock is not needed.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  # Before JAX starts its threads: timed programs reuse freed memory (`bench/malloc.py`).
+  # Before JAX starts its threads: timed programs reuse freed memory (`bench/command/malloc.py`).
   allocator = (
     malloc.SYSTEM + " (--system-malloc)"
     if a.system_malloc
@@ -122,7 +127,7 @@ def _main(argv):
     else malloc.reuse_freed_memory()
   )
   ask_for_devices(a.devices, a.num_processes)
-  from bench import distributed
+  from bench.command import distributed
 
   try:
     distributed.initialize(a)
@@ -130,7 +135,8 @@ def _main(argv):
     raise UsageError(str(err)) from None
   import jax
 
-  from bench import common, tpu
+  from bench.cases import common
+  from bench.reading import tpu
 
   leader = distributed.is_leader()
   if a.tpu:
@@ -163,7 +169,7 @@ def _main(argv):
     print(report.table(rows))
     print(report.memory_section(rows))
     print(report.hbm_sections(rows))
-    for path in report.write(rows, info, full, s, a):
+    for path in result_files.write(rows, info, full, s, a):
       print("wrote", path)
   return 0
 

@@ -1,0 +1,1 @@
+"""Kernel benchmarks: the grouped matmul on CPU and GPU, compiled for TPU, and the backward's profile."""

@@ -1,0 +1,1 @@
+"""Peers compiled or timed beside the layer: MaxText's RoutedMoE, a torchtitan-style PyTorch layer."""
