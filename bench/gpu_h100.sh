@@ -14,7 +14,7 @@
 #      in .whl/) at G = 8, 32, 128, uniform sizes                    -> gpu_TAG_gmm.{json,md}
 #   4. python -m bench, the layer at E=8 and E=64 (T=32768, D=2048, F=4096, bf16): auto and
 #      torch_moe                        -> gpu_TAG_layer.{json,md}, gpu_TAG_layer_e64.*
-#   5. the summary (`python -m bench.gpu_summary`): the ratios to torch.
+#   5. the summary (`python -m bench.gpu_runs.gpu_summary`): the ratios to torch.
 # Results go to bench/results/ (RESULTS overrides) and, where $OUT is set (the device
 # tool), to $OUT as well. tokamax travels as wheels in .whl/ (bench/gpu_wheels.sh fetches
 # them here); where they are missing its rows say why.

@@ -99,12 +99,8 @@ def replicate_experts(
       f"{fn}: previous= names the placement slot-major params (SlotParams) were made "
       f"for; params are logical (MoEParams): leave previous out"
     )
-  if not isinstance(placement, Placement):
-    raise TypeError(f"{fn}: placement must be a Placement (got {type(placement).__name__})")
+  placement, mesh, n = _on_mesh(fn, placement, mesh, expert_axis)
   E = placement.num_experts
-  mesh = resolve_mesh(fn, mesh, expert_axis, required=False)
-  n = 1 if mesh is None else axis_size(mesh, expert_axis)
-  placement = check_placement(fn, placement, E, n)
   first = jax.tree.leaves(params.experts)[0].shape[0]
   if served:
     previous = check_placement(fn, previous, E, n)
@@ -114,15 +110,32 @@ def replicate_experts(
   if first != want:
     raise ValueError(f"{fn}: params.experts must hold {what} ({want}) on axis 0 (got {first})")
   src_dev, src_row = _sources(placement, previous, n, first // n)
-  if mesh is None:
-    index = jnp.asarray(src_dev * (first // n) + src_row)
-    experts = jax.tree.map(lambda a: a[index], params.experts)
-  else:
-    specs = split_specs(params.experts, expert_axis, expert_tensor_axis, expert_fsdp_axis)
-    experts = jax.tree.map(lambda a, s: place(a, mesh, s), params.experts, specs)
-    experts = _gather(mesh, expert_axis, n, specs, src_dev, src_row)(experts)
+  axes = (expert_axis, expert_tensor_axis, expert_fsdp_axis)
+  experts = _rows_from(params.experts, src_dev, src_row, first // n, mesh, n, axes)
   fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(MoEParams)}
   return SlotParams(**dict(fields, experts=experts))
+
+
+def _on_mesh(fn, placement, mesh, expert_axis):
+  """(the placement, checked for the expert axis; the mesh resolved; N devices on the axis)."""
+  if not isinstance(placement, Placement):
+    raise TypeError(f"{fn}: placement must be a Placement (got {type(placement).__name__})")
+  mesh = resolve_mesh(fn, mesh, expert_axis, required=False)
+  n = 1 if mesh is None else axis_size(mesh, expert_axis)
+  return check_placement(fn, placement, placement.num_experts, n), mesh, n
+
+
+def _rows_from(experts, src_dev, src_row, rows, mesh, n, axes):
+  """New rows of every leaf of `experts` (`rows` a device), row i of device d being row
+  `src_row[d * len / n + i]` of device `src_dev[...]`: gathered on the mesh (a local copy
+  where the source is the device itself), indexed without one."""
+  if mesh is None:
+    index = jnp.asarray(src_dev * rows + src_row)
+    return jax.tree.map(lambda a: a[index], experts)
+  expert_axis, tensor_axis, fsdp_axis = axes
+  specs = split_specs(experts, expert_axis, tensor_axis, fsdp_axis)
+  experts = jax.tree.map(lambda a, s: place(a, mesh, s), experts, specs)
+  return _gather(mesh, expert_axis, n, specs, src_dev, src_row)(experts)
 
 
 def move_replicas(
@@ -197,28 +210,18 @@ def logical_params(
       f"{fn}: params must be slot-major SlotParams (from replicate_experts); got "
       f"{type(params).__name__}, which is not slot-major"
     )
-  if not isinstance(placement, Placement):
-    raise TypeError(f"{fn}: placement must be a Placement (got {type(placement).__name__})")
-  E = placement.num_experts
-  mesh = resolve_mesh(fn, mesh, expert_axis, required=False)
-  n = 1 if mesh is None else axis_size(mesh, expert_axis)
-  placement = check_placement(fn, placement, E, n)
+  placement, mesh, n = _on_mesh(fn, placement, mesh, expert_axis)
   first = jax.tree.leaves(params.experts)[0].shape[0]
   if first != placement.num_slots:
     raise ValueError(
       f"{fn}: params.experts must hold the placement's {placement.num_slots} slots on "
       f"axis 0 (got {first})"
     )
-  phy2log = np.asarray(placement.phy2log)
-  _, first_slot_E = np.unique(phy2log, return_index=True)  # expert e's first slot
+  _, first_slot_E = np.unique(np.asarray(placement.phy2log), return_index=True)  # e's first
   Ls = placement.num_slots // n
-  if mesh is None:
-    experts = jax.tree.map(lambda a: a[jnp.asarray(first_slot_E)], params.experts)
-  else:
-    specs = split_specs(params.experts, expert_axis, expert_tensor_axis, expert_fsdp_axis)
-    experts = jax.tree.map(lambda a, s: place(a, mesh, s), params.experts, specs)
-    src_dev, src_row = (first_slot_E // Ls).astype(np.int32), (first_slot_E % Ls).astype(np.int32)
-    experts = _gather(mesh, expert_axis, n, specs, src_dev, src_row)(experts)
+  src_dev, src_row = (first_slot_E // Ls).astype(np.int32), (first_slot_E % Ls).astype(np.int32)
+  axes = (expert_axis, expert_tensor_axis, expert_fsdp_axis)
+  experts = _rows_from(params.experts, src_dev, src_row, Ls, mesh, n, axes)
   fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(MoEParams)}
   return MoEParams(**dict(fields, experts=experts))
 

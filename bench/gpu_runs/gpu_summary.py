@@ -1,7 +1,7 @@
 """The one-command GPU run's summary (`bench/gpu_h100.sh`): the ratios against the PyTorch
 peers, read from its files.
 
-    python -m bench.gpu_summary RESULTS_DIR [--tests LOG]
+    python -m bench.gpu_runs.gpu_summary RESULTS_DIR [--tests LOG]
 
 Reads `gpu_TAG_gmm.json` (`python -m bench.gpu`) and `gpu_TAG_layer{,_e64}.json` (`python -m
 bench`) in RESULTS_DIR and prints, from the rows of that one run:
@@ -124,7 +124,7 @@ def summary(results, tests=None, tag="h100"):
 
 def main(argv=None):
   p = argparse.ArgumentParser(
-    prog="python -m bench.gpu_summary", description=__doc__.split("\n")[0]
+    prog="python -m bench.gpu_runs.gpu_summary", description=__doc__.split("\n")[0]
   )
   p.add_argument("results", help="the folder holding gpu_TAG_*.json")
   p.add_argument("--tag", default="h100", help="the card the files are named after (h100, h200)")

@@ -268,7 +268,7 @@ def main(argv=None):
       maxtext=importlib.metadata.version("maxtext"),
       libtpu=importlib.metadata.version("libtpu"),
     )
-    command = ["python", "-m", "bench.peers.maxtext_peer", *argv]
+    command = ["python", "-m", "bench.maxtext_peer", *argv]
     settings = dict(
       tokens=[size.T],
       d_model=size.D,

@@ -241,9 +241,9 @@ def _section(stem, title):
     if "settings" in data:
       prog, body = "bench", _layer(data)
     elif "shape" in data:
-      prog, body = "bench.kernel_runs.gmm", _gmm(data)
+      prog, body = "bench.gmm", _gmm(data)
     else:
-      prog, body = "bench.gpu_runs.gpu", _gpu(data)
+      prog, body = "bench.gpu", _gpu(data)
     # A merged file (`--from-json A,B`) holds several commands.
     lines = "\n\n".join(f"`{_command(w, prog)}`" for w in report.argvs(data.get("argv", [])))
     out += [lines, _machine(info, data["rows"]), *body]
