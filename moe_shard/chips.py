@@ -39,7 +39,9 @@ class Chip:
 # Sources: Cloud TPU system architecture pages, https://cloud.google.com/tpu/docs/v5e ("Peak
 # compute per chip (bf16) 197 TFLOPs", "HBM2 ... 819 GBps"), https://cloud.google.com/tpu/docs/v6e
 # ("918 TFLOPs", "HBM bandwidth per chip 1638 GBps"), https://cloud.google.com/tpu/docs/v5p
-# ("459" TFLOPs bf16, "HBM bandwidth per chip (GBps) 2765"): the peaks `bench.reading.tpu.PEAKS` cites.
+# ("459" TFLOPs bf16, "HBM bandwidth per chip (GBps) 2765"), https://cloud.google.com/tpu/docs/tpu7x
+# ("Peak compute per chip (BF16) (TFLOPs) 2307", "HBM bandwidth per chip (GB/s) 7380"; a chip
+# shows as two devices, each half of it): the peaks `bench.reading.tpu.PEAKS` cites, per device.
 # Wraparound links: "How to Scale Your Model" (jax-ml/scaling-book), "All About TPUs": v5e
 # and v6e slices have no wraps on axes under 16; v4 and v5p have them on every axis of whole
 # 4x4x4 cubes, none on smaller slices ("a 2x2x4 won't have any wraparounds").
@@ -50,6 +52,7 @@ CHIPS = {
   "TPU v6e": Chip(hbm=1638e9, flops=918e12, wraps="16"),
   "TPU v5": Chip(hbm=2765e9, flops=459e12, wraps="cube"),
   "TPU v5p": Chip(hbm=2765e9, flops=459e12, wraps="cube"),
+  "TPU7x": Chip(hbm=7380e9 / 2, flops=2307e12 / 2, wraps="cube"),
 }
 
 # The fixed cost of one ICI hop, whatever the bytes: "Each hop over an ICI link has some

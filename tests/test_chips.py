@@ -42,7 +42,24 @@ def test_collective_latency_of_tpu_slices_and_none_elsewhere():
 def test_chip_figures_agree_with_the_benchmarks_peaks():
   from bench.reading import tpu
 
-  for kind, gen in (("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"), ("TPU v5", "v5p")):
+  for kind, gen in (
+    ("TPU v5 lite", "v5e"),
+    ("TPU v6 lite", "v6e"),
+    ("TPU v5", "v5p"),
+    ("TPU7x", "tpu7x"),
+  ):
     c = chips.chip(kind)
     assert (c.hbm, c.flops) == (tpu.PEAKS[gen]["hbm"], tpu.PEAKS[gen]["flops"])
   assert chips.chip("NVIDIA H100 80GB HBM3") is None and chips.chip(None) is None
+
+
+def test_ironwood_shows_each_chip_as_two_devices():
+  # The per-device peaks of TPU7x are half a chip's: libtpu describes a 2x2x1 slice (4 chips)
+  # as 8 devices of kind "TPU7x", two on each chip's coordinates.
+  pytest.importorskip("libtpu")
+  from bench.reading import tpu
+
+  devs = tpu.devices("tpu7x:2x2x1")
+  assert len(devs) == 8 and {d.device_kind for d in devs} == {"TPU7x"}
+  assert len({tuple(d.coords) for d in devs}) == 4
+  assert chips.chip("TPU7x").flops == tpu.PEAKS["tpu7x"]["flops"] == 2307e12 / 2

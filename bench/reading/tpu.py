@@ -18,11 +18,17 @@ import functools
 # ("918 TFLOPs", "HBM bandwidth per chip 1638 GBps", "Bidirectional ICI bandwidth (per
 # chip) 800 GBps") and https://cloud.google.com/tpu/docs/v5p ("Peak compute per chip (BF16)
 # (TFLOPs) 459", "HBM bandwidth per chip (GBps) 2765", "Bidirectional inter-chip
-# interconnect (ICI) bandwidth per chip (GBps) 1200").
+# interconnect (ICI) bandwidth per chip (GBps) 1200") and https://cloud.google.com/tpu/docs/tpu7x
+# ("Peak compute per chip (BF16) (TFLOPs) 2307", "HBM bandwidth per chip (GB/s) 7380",
+# "Bi-directional inter-chip interconnect (ICI) bandwidth per chip (GB/s) 1200"). Figures are
+# per device: a TPU7x chip shows as two devices (its two TensorCores, one per chiplet: "the
+# Ironwood programming model lets you access two TPU devices"), each half of the chip's;
+# v5p's two TensorCores show as one device (megacore).
 PEAKS = {
   "v5e": {"flops": 197e12, "hbm": 819e9, "ici": 400e9 / 2},
   "v5p": {"flops": 459e12, "hbm": 2765e9, "ici": 1200e9 / 2},
   "v6e": {"flops": 918e12, "hbm": 1638e9, "ici": 800e9 / 2},
+  "tpu7x": {"flops": 2307e12 / 2, "hbm": 7380e9 / 2, "ici": 1200e9 / 2 / 2},
 }
 
 
