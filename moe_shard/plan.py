@@ -199,9 +199,9 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=
       T*K items on average) plus 4 standard deviations, `padded_load(T*K)` (2048 -> 2232),
       and from 4096 rows up a multiple of `kernels.tpu.MAX_ROW_TILE` (512: 8192 -> 8704,
       1.0625x), the row tile of TPU's grouped matmul, which would otherwise copy the buffer
-      into a padded one on every call; the overflow rounds a quarter of that, rounded up to
-      a multiple of 8 (so a round that never runs under uniform routing reserves little
-      memory). With `num_devices`, round 0 never takes more than the most a device can
+      into a padded one on every call; the overflow rounds as many: few large rounds, since
+      each re-reads every local weight and, in the backward, replays its forward and writes
+      the weight gradient (figures: bench/results/tpu_v5e_2x4_skew, the "none" rows). With `num_devices`, round 0 never takes more than the most a device can
       receive, N*T*K rounded up to a multiple of 8, and takes exactly that when it is at
       most `DECODE_ROWS`: at decode sizes every routing then runs one round, reading the
       weights once (T=8, K=2, N=8: 128 rows, where the margin gives 32 and skewed routings
@@ -238,7 +238,7 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=
       tiled = tm * math.ceil(tiled / tm)
     if 16 * (tiled - first) <= first:  # padding rows move in every pass over the buffer
       first = tiled
-  return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
+  return Chunks(first, first)
 
 
 def receive_starts(recv_SL):

@@ -322,15 +322,15 @@ def test_round_counts_rejects(count, rounds, err, match):
 @pytest.mark.parametrize(
   "tokens, k, capacity, want",
   [
-    # T*K = 10 -> 10 + ceil(4 * 3.16) = 23 -> 24; overflow 24 / 4 = 6 -> at least 8.
-    (5, 2, None, Chunks(24, 8)),
-    # 128 -> 128 + ceil(45.25) = 174 -> 176; overflow 176 / 4 = 44 -> 48.
-    (64, 2, None, Chunks(176, 48)),
+    # T*K = 10 -> 10 + ceil(4 * 3.16) = 23 -> 24; overflow rounds as many.
+    (5, 2, None, Chunks(24, 24)),
+    # 128 -> 128 + ceil(45.25) = 174 -> 176; overflow rounds as many.
+    (64, 2, None, Chunks(176, 176)),
     # The benchmark's T_dev = 32768 / 8, K = 2: 8192 + 363 = 8555 -> 8560, past 4096 rows
-    # whole 512-row tiles: 8704; overflow 8704 / 4 = 2176.
-    (4096, 2, None, Chunks(8704, 2176)),
-    # 1800 * 2 = 3600 + 240 = 3840 < 4096: multiples of 8 only; overflow 960.
-    (1800, 2, None, Chunks(3840, 960)),
+    # whole 512-row tiles: 8704; overflow rounds as many.
+    (4096, 2, None, Chunks(8704, 8704)),
+    # 1800 * 2 = 3600 + 240 = 3840 < 4096: multiples of 8 only; overflow rounds as many.
+    (1800, 2, None, Chunks(3840, 3840)),
     (1, 1, None, Chunks(8, 8)),  # 1 + 4 -> the floor of 8 rows
     (0, 2, None, Chunks(8, 8)),
     (40, 2, 3, Chunks(3, 3)),  # an explicit capacity: every round
@@ -345,17 +345,17 @@ def test_default_capacity(tokens, k, capacity, want):
   [
     # Decode, 8 tokens per device, K=2, N=8: the margin gives 16 + 16 = 32 rows, the most
     # a device can receive is 8 * 8 * 2 = 128 <= DECODE_ROWS: 128, one round always.
-    (8, 2, 8, Chunks(128, 32)),
-    # 64 tokens: the most is 1024 > 128: the margin, 128 + 46 = 174 -> 176; overflow 48.
-    (64, 2, 8, Chunks(176, 48)),
-    # 256 tokens (Mixtral at 256 per chip): 512 + 91 = 603 -> 608; overflow 152.
-    (256, 2, 8, Chunks(608, 152)),
-    # K=8, 8 tokens, N=8: the most is 512 > 128: 64 + 32 = 96; overflow 24.
-    (8, 8, 8, Chunks(96, 24)),
+    (8, 2, 8, Chunks(128, 128)),
+    # 64 tokens: the most is 1024 > 128: the margin, 128 + 46 = 174 -> 176; overflow rounds as many.
+    (64, 2, 8, Chunks(176, 176)),
+    # 256 tokens (Mixtral at 256 per chip): 512 + 91 = 603 -> 608; overflow rounds as many.
+    (256, 2, 8, Chunks(608, 608)),
+    # K=8, 8 tokens, N=8: the most is 512 > 128: 64 + 32 = 96; overflow rounds as many.
+    (8, 8, 8, Chunks(96, 96)),
     # One device: the most it receives is its own 5 * 2 = 10 -> 16 rows (the margin: 24).
-    (5, 2, 1, Chunks(16, 8)),
+    (5, 2, 1, Chunks(16, 16)),
     # Training sizes unchanged: 4096 * 2 -> 8704 (whole 512-row tiles).
-    (4096, 2, 8, Chunks(8704, 2176)),
+    (4096, 2, 8, Chunks(8704, 8704)),
   ],
 )
 def test_default_capacity_bounded_by_devices(tokens, k, n, want):
@@ -368,18 +368,18 @@ def test_default_capacity_bounded_by_devices(tokens, k, n, want):
   [
     # Qwen3-30B-A3B at 256 tokens per chip (16 local experts): 2048 + 181 -> 2232 rows, in
     # 256-row tiles of the grouped matmul (15 * 512 * 4 > 3 * 2232): 2304 (72 <= 2232 / 16).
-    (256, 8, 8, 16, Chunks(2304, 576), True),
+    (256, 8, 8, 16, Chunks(2304, 2304), True),
     # gpt-oss-120b (K=4): 1024 + 128 = 1152 -> 1280 would add 128 > 1152 / 16 rows: stays.
-    (256, 4, 8, 16, Chunks(1152, 288), False),
+    (256, 4, 8, 16, Chunks(1152, 1152), False),
     # Two local experts, 4 * 512 <= 3 * 2232: 512-row tiles, 2560 would add 328: stays.
-    (256, 8, 8, 2, Chunks(2232, 560), False),
+    (256, 8, 8, 2, Chunks(2232, 2232), False),
     # One local expert (a dense matmul, no row tiles): unchanged.
-    (256, 2, 8, 1, Chunks(608, 152), False),
+    (256, 2, 8, 1, Chunks(608, 608), False),
     # Small buffers stay (24 rows would take a 128-row tile); decode's 128 rows are whole.
-    (5, 2, 4, 2, Chunks(40, 16), False),
-    (8, 2, 8, 8, Chunks(128, 32), True),
+    (5, 2, 4, 2, Chunks(40, 40), False),
+    (8, 2, 8, 8, Chunks(128, 128), True),
     # Training sizes: already whole 512-row tiles.
-    (4096, 2, 8, 8, Chunks(8704, 2176), True),
+    (4096, 2, 8, 8, Chunks(8704, 8704), True),
   ],
 )
 def test_default_capacity_whole_row_tiles(tokens, k, n, L, want, whole):

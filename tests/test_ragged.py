@@ -196,8 +196,8 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   devices (device index = its position in P(all axes)); device d receives the valid items
   of the devices sharing its other-axes coordinates that route to its L experts. Rounds:
   one of C rows (T_dev K + 4 sqrt(T_dev K), up to a multiple of 8, or of 512 from 4096
-  up), then one per C_overflow
-  (C / 4 up to a multiple of 8) of the fullest receiver's items past C; an explicit capacity: C each.
+  up), then one per C_overflow (= C) of the fullest receiver's items past C; an explicit
+  capacity: C each.
   """
   ids_TK = np.asarray(experts_TK).astype(np.int64).reshape(len(experts_TK), -1)
   T = ids_TK.shape[0]
@@ -220,7 +220,7 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   C = C if C < 4096 else 512 * math.ceil(C / 512)
   most = max(8, 8 * math.ceil(N * n / 8))  # every source's items to this device
   C = capacity or (most if most <= 128 or most < C else C)  # 128: plan.DECODE_ROWS
-  C_over = capacity or max(8, 8 * -(-C // 32))
+  C_over = capacity or C
   valid_TK = (ids_TK >= 0) & (ids_TK < E)
   return dict(
     rounds=1 + -(-max(received.max() - C, 0) // C_over),

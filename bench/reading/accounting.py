@@ -194,8 +194,7 @@ def ragged_capacity(tokens_per_device, k, num_devices, recv_capacity=None, num_l
   up to a multiple of 512, at most the most a device can receive, N*T_dev*K rounded up to a
   multiple of 8, and that when it is at most 128 rows (`plan.DECODE_ROWS`); with more than
   one local expert, then rounded up to whole row tiles of TPU's grouped matmul (twice: more
-  rows can take a larger tile) where that adds at most C / 16 rows; C_overflow = C / 4
-  rounded up to a multiple of 8."""
+  rows can take a larger tile) where that adds at most C / 16 rows; C_overflow = C."""
   if recv_capacity is not None:
     return recv_capacity, recv_capacity
   first = _padded_load(tokens_per_device * k)
@@ -208,7 +207,7 @@ def ragged_capacity(tokens_per_device, k, num_devices, recv_capacity=None, num_l
       tm = _row_tile(tiled, num_local)
       tiled = tm * math.ceil(tiled / tm)
     first = tiled if 16 * (tiled - first) <= first else first
-  return first, max(8, 8 * math.ceil(first / 4 / 8))
+  return first, first
 
 
 def ragged_all_to_all(case, on_tpu=False):

@@ -125,7 +125,8 @@ def moe_ragged_all_to_all(
       round 0 takes C = the expected load T_dev*K plus 4 * sqrt of it (4 standard
       deviations of uniform random routing), rounded up to a multiple of 8 (from 4096
       rows, of 512: 1.0625x at T_dev*K = 8192), so uniform routing takes one round, and
-      later rounds C_overflow = C/4 rounded up to a multiple of 8; C at most N*T_dev*K,
+      later rounds as many (C_overflow = C: few rounds, each re-reading the weights); C at
+      most N*T_dev*K,
       the most a device can receive, and that when it is at most `plan.DECODE_ROWS` rows
       (one round whatever the routing) (`plan.default_capacity`); an int C >= 1: C in
       every round.
