@@ -155,7 +155,7 @@ def moe_layer(
       scales or FP8 values), at trace time: quantized matrices are frozen; differentiate
       the leaves of `split_trainable(params)[0]` (docs/guides/quantization.md).
   """
-  call = _check(params, x_BSD, cfg, mesh, placement)
+  x_BSD, call = _check(params, x_BSD, cfg, mesh, placement)
   E = cfg.num_experts
   x_TD = flatten_tokens(x_BSD, call.mesh)  # on an Explicit mesh: split over it (if T divides)
   params = _place_params(params, x_TD, cfg, call.mesh)
@@ -199,7 +199,8 @@ class _Call:
 
 
 def _check(params, x_BSD, cfg, mesh, placement):
-  """Check: the config, x, the mesh, params with the placement, and the dispatch."""
+  """Check: the config, x (returned as an array), the mesh, params with the placement, and
+  the dispatch."""
   fn = "moe_layer"
   check_config(fn, cfg)
   x_BSD = _checks.float_array(fn, "x_BSD", x_BSD)
@@ -225,7 +226,7 @@ def _check(params, x_BSD, cfg, mesh, placement):
       f"axis): pass mesh= or call under `with jax.set_mesh(mesh):`"
     )
   compute_dtype = cfg.compute_dtype or x_BSD.dtype
-  return _Call(mesh, n, placement, slot_weights, impl, dispatch, compute_dtype)
+  return x_BSD, _Call(mesh, n, placement, slot_weights, impl, dispatch, compute_dtype)
 
 
 def _place_params(params, x_TD, cfg, mesh):
