@@ -215,6 +215,7 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
   from bench.cases import programs as progs
   from bench.cases.impls import BENCH_IMPLS, NotRun
   from bench.reading import accounting, bound, measure, replica_accounting, tpu
+  from moe_shard.layer import STEP_SCOPE
 
   level, E, routing, size, mesh = case.level, case.E, case.routing, case.size, case.mesh
   routing_bound = accounting.routing_bound_bytes(case)
@@ -237,6 +238,9 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
     # The per-step placement runs one branch of a lax.cond: its figures are that branch's.
     branch = replica_accounting.step_branch(case) if case.size.placement == "step" else case
     acc, device_rows = replica_accounting.placed(entry.accounting, branch, bool(tpu_topology), impl)
+    if branch is not case and not tpu_topology:  # the program with both branches is timed
+      taken = {measure.branch_key(STEP_SCOPE): int(branch.placement is not None)}
+      acc = dataclasses.replace(acc, trips=[dict(t, **taken) for t in acc.trips])
     rounds, dropped, trips = acc.rounds, acc.dropped, acc.trips
     if entry.programs is None or entry.foreign:  # checked against the MoE reference
       kept[impl] = acc.kept
