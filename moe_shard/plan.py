@@ -46,6 +46,41 @@ class Chunks:
     return self.first + (r - 1) * self.overflow
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """Static receive-buffer rows of the ragged dispatch's rounds.
+
+  Round 0 receives `first` rows of each device's receive order. Past them, while more than
+  `last` rows remain, rounds of `big` rows run; then at most one round of `last` rows takes
+  the rest. Each round re-reads every local weight and, in the backward, replays its
+  forward and writes the weight gradient, so large rounds cost less per row; one small
+  round at the end keeps the padding of a small excess small.
+
+  Attributes:
+    first: C, rows of round 0.
+    big: rows of each big overflow round.
+    last: rows of the last, small overflow round (at most `big`).
+  """
+
+  first: int
+  big: int
+  last: int
+
+  def rounds(self, most):
+    """(big rounds, last rounds: 0 or 1) to receive `most` rows (traced or concrete)."""
+    extra = jnp.maximum(most - self.first, 0)
+    n_big = jnp.maximum(extra - self.last + self.big - 1, 0) // self.big
+    return n_big, (extra > n_big * self.big).astype(n_big.dtype)
+
+  def start(self, r):
+    """First row of big round r >= 1 (traced is fine)."""
+    return self.first + (r - 1) * self.big
+
+  def last_start(self, n_big):
+    """First row of the last round, after `n_big` big rounds."""
+    return self.first + n_big * self.big
+
+
 def default_chunks(tokens, k, num_devices, chunk_size=None):
   """Chooses the slot counts of the dispatch rounds.
 
@@ -199,9 +234,10 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=
       T*K items on average) plus 4 standard deviations, `padded_load(T*K)` (2048 -> 2232),
       and from 4096 rows up a multiple of `kernels.tpu.MAX_ROW_TILE` (512: 8192 -> 8704,
       1.0625x), the row tile of TPU's grouped matmul, which would otherwise copy the buffer
-      into a padded one on every call; the overflow rounds as many: few large rounds, since
-      each re-reads every local weight and, in the backward, replays its forward and writes
-      the weight gradient (figures: bench/results/tpu_v5e_2x4_skew, the "none" rows). With `num_devices`, round 0 never takes more than the most a device can
+      into a padded one on every call; the overflow rounds as many (`Rows.big`), the last
+      of them a quarter of that, rounded up to a multiple of 8 (`Rows.last`): few large
+      rounds, each of which re-reads every local weight (figures:
+      bench/results/tpu_v5e_2x4_skew, the "none" rows), and a small excess padded little. With `num_devices`, round 0 never takes more than the most a device can
       receive, N*T*K rounded up to a multiple of 8, and takes exactly that when it is at
       most `DECODE_ROWS`: at decode sizes every routing then runs one round, reading the
       weights once (T=8, K=2, N=8: 128 rows, where the margin gives 32 and skewed routings
@@ -216,14 +252,14 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=
       expert runs as a dense matmul, no row tiles).
 
   Returns:
-    `Chunks(first, overflow)`: the rows of round 0 and of each later round.
+    `Rows(first, big, last)`.
 
   Raises:
     TypeError, ValueError: a `recv_capacity` that is not None or an int >= 1.
   """
   if recv_capacity is not None:
     c = _checks.int_field("moe_ragged_all_to_all", "recv_capacity", recv_capacity, 1)
-    return Chunks(c, c)
+    return Rows(c, c, c)
   first = padded_load(tokens * k)
   if first >= 4096:
     first = MAX_ROW_TILE * math.ceil(first / MAX_ROW_TILE)
@@ -238,7 +274,7 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=
       tiled = tm * math.ceil(tiled / tm)
     if 16 * (tiled - first) <= first:  # padding rows move in every pass over the buffer
       first = tiled
-  return Chunks(first, first)
+  return Rows(first, first, max(8, 8 * math.ceil(first / 4 / 8)))
 
 
 def receive_starts(recv_SL):

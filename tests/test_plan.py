@@ -16,6 +16,7 @@ import pytest
 from moe_shard.kernels import tpu as gmm_tpu
 from moe_shard.plan import (
   Chunks,
+  Rows,
   default_capacity,
   default_chunks,
   receive_starts,
@@ -322,18 +323,18 @@ def test_round_counts_rejects(count, rounds, err, match):
 @pytest.mark.parametrize(
   "tokens, k, capacity, want",
   [
-    # T*K = 10 -> 10 + ceil(4 * 3.16) = 23 -> 24; overflow rounds as many.
-    (5, 2, None, Chunks(24, 24)),
-    # 128 -> 128 + ceil(45.25) = 174 -> 176; overflow rounds as many.
-    (64, 2, None, Chunks(176, 176)),
+    # T*K = 10 -> 10 + ceil(4 * 3.16) = 23 -> 24; big rounds as many, the last a quarter.
+    (5, 2, None, Rows(24, 24, 8)),
+    # 128 -> 128 + ceil(45.25) = 174 -> 176; big rounds as many, the last a quarter.
+    (64, 2, None, Rows(176, 176, 48)),
     # The benchmark's T_dev = 32768 / 8, K = 2: 8192 + 363 = 8555 -> 8560, past 4096 rows
-    # whole 512-row tiles: 8704; overflow rounds as many.
-    (4096, 2, None, Chunks(8704, 8704)),
-    # 1800 * 2 = 3600 + 240 = 3840 < 4096: multiples of 8 only; overflow rounds as many.
-    (1800, 2, None, Chunks(3840, 3840)),
-    (1, 1, None, Chunks(8, 8)),  # 1 + 4 -> the floor of 8 rows
-    (0, 2, None, Chunks(8, 8)),
-    (40, 2, 3, Chunks(3, 3)),  # an explicit capacity: every round
+    # whole 512-row tiles: 8704; big rounds as many, the last a quarter.
+    (4096, 2, None, Rows(8704, 8704, 2176)),
+    # 1800 * 2 = 3600 + 240 = 3840 < 4096: multiples of 8 only; big rounds as many, the last a quarter.
+    (1800, 2, None, Rows(3840, 3840, 960)),
+    (1, 1, None, Rows(8, 8, 8)),  # 1 + 4 -> the floor of 8 rows
+    (0, 2, None, Rows(8, 8, 8)),
+    (40, 2, 3, Rows(3, 3, 3)),  # an explicit capacity: every round
   ],
 )
 def test_default_capacity(tokens, k, capacity, want):
@@ -345,22 +346,22 @@ def test_default_capacity(tokens, k, capacity, want):
   [
     # Decode, 8 tokens per device, K=2, N=8: the margin gives 16 + 16 = 32 rows, the most
     # a device can receive is 8 * 8 * 2 = 128 <= DECODE_ROWS: 128, one round always.
-    (8, 2, 8, Chunks(128, 128)),
-    # 64 tokens: the most is 1024 > 128: the margin, 128 + 46 = 174 -> 176; overflow rounds as many.
-    (64, 2, 8, Chunks(176, 176)),
-    # 256 tokens (Mixtral at 256 per chip): 512 + 91 = 603 -> 608; overflow rounds as many.
-    (256, 2, 8, Chunks(608, 608)),
-    # K=8, 8 tokens, N=8: the most is 512 > 128: 64 + 32 = 96; overflow rounds as many.
-    (8, 8, 8, Chunks(96, 96)),
+    (8, 2, 8, Rows(128, 128, 32)),
+    # 64 tokens: the most is 1024 > 128: the margin, 128 + 46 = 174 -> 176; big rounds as many, the last a quarter.
+    (64, 2, 8, Rows(176, 176, 48)),
+    # 256 tokens (Mixtral at 256 per chip): 512 + 91 = 603 -> 608; big rounds as many, the last a quarter.
+    (256, 2, 8, Rows(608, 608, 152)),
+    # K=8, 8 tokens, N=8: the most is 512 > 128: 64 + 32 = 96; big rounds as many, the last a quarter.
+    (8, 8, 8, Rows(96, 96, 24)),
     # One device: the most it receives is its own 5 * 2 = 10 -> 16 rows (the margin: 24).
-    (5, 2, 1, Chunks(16, 16)),
+    (5, 2, 1, Rows(16, 16, 8)),
     # Training sizes unchanged: 4096 * 2 -> 8704 (whole 512-row tiles).
-    (4096, 2, 8, Chunks(8704, 8704)),
+    (4096, 2, 8, Rows(8704, 8704, 2176)),
   ],
 )
 def test_default_capacity_bounded_by_devices(tokens, k, n, want):
   assert default_capacity(tokens, k, None, num_devices=n) == want
-  assert default_capacity(tokens, k, 7, num_devices=n) == Chunks(7, 7)  # explicit wins
+  assert default_capacity(tokens, k, 7, num_devices=n) == Rows(7, 7, 7)  # explicit wins
 
 
 @pytest.mark.parametrize(
@@ -368,18 +369,18 @@ def test_default_capacity_bounded_by_devices(tokens, k, n, want):
   [
     # Qwen3-30B-A3B at 256 tokens per chip (16 local experts): 2048 + 181 -> 2232 rows, in
     # 256-row tiles of the grouped matmul (15 * 512 * 4 > 3 * 2232): 2304 (72 <= 2232 / 16).
-    (256, 8, 8, 16, Chunks(2304, 2304), True),
+    (256, 8, 8, 16, Rows(2304, 2304, 576), True),
     # gpt-oss-120b (K=4): 1024 + 128 = 1152 -> 1280 would add 128 > 1152 / 16 rows: stays.
-    (256, 4, 8, 16, Chunks(1152, 1152), False),
+    (256, 4, 8, 16, Rows(1152, 1152, 288), False),
     # Two local experts, 4 * 512 <= 3 * 2232: 512-row tiles, 2560 would add 328: stays.
-    (256, 8, 8, 2, Chunks(2232, 2232), False),
+    (256, 8, 8, 2, Rows(2232, 2232, 560), False),
     # One local expert (a dense matmul, no row tiles): unchanged.
-    (256, 2, 8, 1, Chunks(608, 608), False),
+    (256, 2, 8, 1, Rows(608, 608, 152), False),
     # Small buffers stay (24 rows would take a 128-row tile); decode's 128 rows are whole.
-    (5, 2, 4, 2, Chunks(40, 40), False),
-    (8, 2, 8, 8, Chunks(128, 128), True),
+    (5, 2, 4, 2, Rows(40, 40, 16), False),
+    (8, 2, 8, 8, Rows(128, 128, 32), True),
     # Training sizes: already whole 512-row tiles.
-    (4096, 2, 8, 8, Chunks(8704, 8704), True),
+    (4096, 2, 8, 8, Rows(8704, 8704, 2176), True),
   ],
 )
 def test_default_capacity_whole_row_tiles(tokens, k, n, L, want, whole):
@@ -454,3 +455,25 @@ def test_windows_receive_every_item_once_grouped_by_expert(recv, capacity):
     filled = rows[: int(n.sum())]
     assert np.all(filled >= 0) and np.all(np.diff(filled) >= 0)  # packed, expert-major
   np.testing.assert_array_equal(seen, recv_SL)
+
+
+@pytest.mark.parametrize(
+  "most, want",
+  [
+    (8704, (0, 0)),  # round 0 holds it
+    (8704 + 100, (0, 1)),  # a little more: one last round of 2176 rows
+    (8704 + 2176, (0, 1)),  # exactly the last round
+    (8704 + 2177, (1, 0)),  # more than the last round holds: one big round
+    (8704 + 8704 + 2176, (1, 1)),
+    (27081, (2, 1)),  # E=64 under Zipf s=1.2 (the busiest chip's rows): 2 big, 1 last
+  ],
+)
+def test_rows_rounds_big_then_one_last(most, want):
+  # Past round 0's 8704 rows: big rounds of 8704 while more than 2176 rows remain, then at
+  # most one last round of 2176 (27081 - 8704 = 18377 = 2 * 8704 + 969).
+  rows = Rows(8704, 8704, 2176)
+  n_big, n_last = rows.rounds(jnp.asarray(most))
+  assert (int(n_big), int(n_last)) == want
+  assert rows.last_start(int(n_big)) == 8704 + int(n_big) * 8704
+  covered = rows.first + int(n_big) * rows.big + int(n_last) * rows.last
+  assert covered >= most

@@ -196,8 +196,8 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   devices (device index = its position in P(all axes)); device d receives the valid items
   of the devices sharing its other-axes coordinates that route to its L experts. Rounds:
   one of C rows (T_dev K + 4 sqrt(T_dev K), up to a multiple of 8, or of 512 from 4096
-  up), then one per C_overflow (= C) of the fullest receiver's items past C; an explicit
-  capacity: C each.
+  up), then rounds of C while more than C / 4 (up to a multiple of 8) of the fullest
+  receiver's items remain, then at most one of C / 4; an explicit capacity: C each.
   """
   ids_TK = np.asarray(experts_TK).astype(np.int64).reshape(len(experts_TK), -1)
   T = ids_TK.shape[0]
@@ -220,16 +220,20 @@ def expected_stats(experts_TK, E, mesh_, capacity=None, expert_axis=ms.EXPERT):
   C = C if C < 4096 else 512 * math.ceil(C / 512)
   most = max(8, 8 * math.ceil(N * n / 8))  # every source's items to this device
   C = capacity or (most if most <= 128 or most < C else C)  # 128: plan.DECODE_ROWS
-  C_over = capacity or C
+  last = capacity or max(8, 8 * math.ceil(C / 32))  # C / 4 up to a multiple of 8
+  # Big rounds of C while more than `last` rows remain, then at most one of `last`.
+  extra = max(received.max() - C, 0)
+  n_big = -(-max(extra - last, 0) // C)
   valid_TK = (ids_TK >= 0) & (ids_TK < E)
   return dict(
-    rounds=1 + -(-max(received.max() - C, 0) // C_over),
+    rounds=1 + n_big + int(extra > n_big * C),
     sent_items=valid_SI.sum(axis=1),
     received_items=received,
     expert_load=np.bincount(ids_TK[valid_TK], minlength=E),
     invalid_ids=int(np.sum(~valid_TK)),
     capacity=C,
-    capacity_overflow=C_over,
+    capacity_overflow=C,
+    capacity_last=last,
   )
 
 
@@ -689,7 +693,8 @@ def test_tpu_program_has_ragged_all_to_all_and_no_emulation():
     assert "ragged-all-to-all(" in text
     small = re.findall(r"= (\S+) (?:all-to-all|all-gather)(?:-start)?\(", text)
     assert small and all(t.startswith(("s32[", "(s32[")) for t in small), small
-    coll = measure.collective_bytes(text, {"ragged_overflow_rounds": 1})
+    coll = measure.collective_bytes(text, {"ragged_overflow_rounds": 1, "ragged_last_round": 0})
     assert coll["ragged-all-to-all"]["count"] >= 2
     if i == 0:
-      assert measure.dependent_collectives(text, {"ragged_overflow_rounds": 0}) == 3
+      trips = {"ragged_overflow_rounds": 0, "ragged_last_round": 0}
+      assert measure.dependent_collectives(text, trips) == 3

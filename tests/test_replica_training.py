@@ -296,3 +296,24 @@ def test_equinox_module_trains_on_replicas():
   m = Mismatches("equinox")
   m.close_tree(back, logical.params)
   m.check()
+
+
+def test_leaders_spread_over_the_devices():
+  # E=8 experts of near-equal load in 24 slots on 8 devices: 3 replicas each, 16 followers.
+  # Each expert's leader is its replica on the device leading the fewest followers so far:
+  # 2 a device, where the first slots would give one device 3 experts' (6 followers).
+  from moe_shard.parallel import replicas
+
+  load = np.array([1000, 990, 980, 970, 960, 950, 940, 930])
+  placement = ms.plan_placement(load, num_slots=24, num_devices=8)
+  leader = np.asarray(replicas.leader_slots(placement, 3))
+  phy2log = np.asarray(placement.phy2log)
+  np.testing.assert_array_equal(phy2log[leader], phy2log)  # a replica of the same expert
+  followers = leader != np.arange(24)
+  per_device = np.bincount(leader[followers] // 3, minlength=8)
+  assert per_device.sum() == 16 and per_device.max() == 2, per_device
+  assert replicas.tie_bounds(placement, 8)[0] == per_device.max()
+  _, first = np.unique(phy2log, return_index=True)
+  first_leader = first[np.searchsorted(np.unique(phy2log), phy2log)]
+  firsts = np.bincount(first_leader[first_leader != np.arange(24)] // 3, minlength=8).max()
+  assert firsts == 6

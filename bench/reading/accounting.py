@@ -16,7 +16,7 @@ import numpy as np
 
 import moe_shard as ms
 from moe_shard.kernels.tiled import GROUP_SCOPE, TILE_SCOPE, default_tiles, tile_sizes
-from moe_shard.parallel import OVERFLOW_SCOPE, RAGGED_SCOPE
+from moe_shard.parallel import OVERFLOW_SCOPE, RAGGED_LAST_SCOPE, RAGGED_SCOPE
 from moe_shard.sharding import EXPERT
 
 
@@ -188,15 +188,16 @@ def _row_tile(rows, groups):
 
 
 def ragged_capacity(tokens_per_device, k, num_devices, recv_capacity=None, num_local=1):
-  """(C, C_overflow): receive-buffer rows of the ragged dispatch's round 0 and later rounds,
+  """Receive-buffer rows of the ragged dispatch's round 0 and later rounds,
   written out from its documented rule (`moe_ragged_all_to_all`, `plan.default_capacity`):
   C = T_dev*K plus 4 * sqrt of it, rounded up to a multiple of 8 (at least 8) and from 4096
   up to a multiple of 512, at most the most a device can receive, N*T_dev*K rounded up to a
   multiple of 8, and that when it is at most 128 rows (`plan.DECODE_ROWS`); with more than
   one local expert, then rounded up to whole row tiles of TPU's grouped matmul (twice: more
-  rows can take a larger tile) where that adds at most C / 16 rows; C_overflow = C."""
+  rows can take a larger tile) where that adds at most C / 16 rows; the big overflow rounds
+  C rows, the last one C / 4 rounded up to a multiple of 8. Returns (C, big, last)."""
   if recv_capacity is not None:
-    return recv_capacity, recv_capacity
+    return recv_capacity, recv_capacity, recv_capacity
   first = _padded_load(tokens_per_device * k)
   first = first if first < 4096 else 512 * math.ceil(first / 512)
   most = max(8, 8 * math.ceil(num_devices * tokens_per_device * k / 8))
@@ -207,7 +208,19 @@ def ragged_capacity(tokens_per_device, k, num_devices, recv_capacity=None, num_l
       tm = _row_tile(tiled, num_local)
       tiled = tm * math.ceil(tiled / tm)
     first = tiled if 16 * (tiled - first) <= first else first
-  return first, first
+  return first, first, max(8, 8 * math.ceil(first / 4 / 8))
+
+
+def ragged_windows(most, rows):
+  """([(first row, rows)] of every round, last rounds: 0 or 1) of the ragged dispatch for a
+  fullest receive order of `most` rows: round 0, big rounds while more than the last
+  round's rows remain, then at most one last round (`plan.Rows`, written out)."""
+  first, big, last = rows
+  extra = max(most - first, 0)
+  n_big = max(extra - last + big - 1, 0) // big
+  out = [(0, first)] + [(first + r * big, big) for r in range(n_big)]
+  n_last = int(extra > n_big * big)
+  return out + [(first + n_big * big, last)] * n_last, n_last
 
 
 def ragged_all_to_all(case, on_tpu=False):
@@ -216,8 +229,8 @@ def ragged_all_to_all(case, on_tpu=False):
 
   Device (e, m) receives, for each local expert l and source (e_src, m), the source's items
   for that expert, laid out expert-major; round r moves the window [r*C, (r+1)*C) of that
-  layout (C rows in round 0, C_overflow in each later one), so the rounds are
-  `a2a_rounds(most received, (C, C_overflow))`. Bytes are exact: each item crosses
+  layout (C rows in round 0, then big rounds and at most one last small one:
+  `ragged_windows`). Bytes are exact: each item crosses
   once out (D wide) and once back (F_out wide) when source and expert device differ. In
   fwd_bwd, round 0 is differentiated directly (its transpose: the same items, widths
   swapped) and each later round is replayed by the custom_vjp's backward: its dispatch
@@ -225,9 +238,10 @@ def ragged_all_to_all(case, on_tpu=False):
   both exchanges transposed.
   """
   n_dev, N, M, L, T_dev, load = _layout(case)
-  first, overflow = ragged_capacity(T_dev, case.size.K, N, num_local=L)
+  rows = ragged_capacity(T_dev, case.size.K, N, num_local=L)
   recv = load.reshape(N, M, N, L).transpose(1, 2, 0, 3)  # [m, e_dst, e_src, l]
-  rounds = a2a_rounds(int(recv.sum(axis=(2, 3)).max()), (first, overflow))
+  windows, n_last = ragged_windows(int(recv.sum(axis=(2, 3)).max()), rows)
+  rounds = len(windows)
   # Position of each (source, expert) queue in its receiver's expert-major layout.
   flat = recv.transpose(0, 1, 3, 2).reshape(M, N, L * N)
   ends = np.cumsum(flat, axis=2).reshape(M, N, L, N).transpose(0, 1, 3, 2)  # [m, dst, src, l]
@@ -235,17 +249,18 @@ def ragged_all_to_all(case, on_tpu=False):
   D = case.size.D
   f_out = case.size.F if case.level == "kernel" else D
   b = np.dtype(jnp.dtype(case.size.dtype)).itemsize
-  trips = [{RAGGED_SCOPE: rounds - 1} for _ in range(n_dev)]
-  inner = RAGGED_SCOPE + "/"
+  trips = [{RAGGED_SCOPE: rounds - 1 - n_last, RAGGED_LAST_SCOPE: n_last} for _ in range(n_dev)]
+  loop_of = lambda r: (
+    "" if r == 0 else (RAGGED_LAST_SCOPE if r == rounds - n_last else RAGGED_SCOPE) + "/"
+  )
   if not on_tpu:
     for d in range(n_dev):
-      trips[d].update({inner + k: 0 for k in loop_trip_counts(np.zeros(L, int), overflow)})
+      for scope, C in ((RAGGED_SCOPE, rows[1]), (RAGGED_LAST_SCOPE, rows[2])):
+        trips[d].update({scope + "/" + k: 0 for k in loop_trip_counts(np.zeros(L, int), C)})
   out_items = np.zeros((rounds, M, N), np.int64)  # items sent to other devices
   back_items = np.zeros((rounds, M, N), np.int64)  # outputs returned to other devices
   other = ~np.eye(N, dtype=bool)  # [dst, src]
-  for r in range(rounds):
-    lo = 0 if r == 0 else first + (r - 1) * overflow
-    C = first if r == 0 else overflow
+  for r, (lo, C) in enumerate(windows):
     got = np.clip(np.minimum(ends, lo + C) - np.maximum(starts, lo), 0, None)
     back_items[r] = np.where(other[None, :, :, None], got, 0).sum(axis=(2, 3))
     out_items[r] = np.where(other[None, :, :, None], got, 0).sum(axis=3).sum(axis=1)
@@ -254,7 +269,7 @@ def ragged_all_to_all(case, on_tpu=False):
         for m in range(M):
           counts = loop_trip_counts(got[m, e].sum(axis=0), C)
           for k, v in counts.items():
-            key = k if r == 0 else inner + k
+            key = loop_of(r) + k
             trips[e * M + m][key] = trips[e * M + m].get(key, 0) + v
   fwd = out_items * D + back_items * f_out  # [r, m, e]
   bwd = out_items * f_out + back_items * D  # the transposes: cotangents out, dx back

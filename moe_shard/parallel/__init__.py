@@ -31,11 +31,12 @@ from moe_shard.parallel.all_to_all import OVERFLOW_SCOPE, moe_all_to_all
 from moe_shard.parallel.dense import shared_mlp
 from moe_shard.parallel.ragged import moe_ragged_all_to_all
 from moe_shard.parallel.ragged_exchange import RAGGED_PLATFORMS, ragged_all_to_all_emulated
-from moe_shard.parallel.ragged_rounds import RAGGED_SCOPE
+from moe_shard.parallel.ragged_rounds import RAGGED_LAST_SCOPE, RAGGED_SCOPE
 from moe_shard.parallel.replicas import tie_replicas
 
 __all__ = [
   "OVERFLOW_SCOPE",
+  "RAGGED_LAST_SCOPE",
   "RAGGED_PLATFORMS",
   "RAGGED_SCOPE",
   "moe_all_gather",

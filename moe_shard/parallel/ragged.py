@@ -125,8 +125,8 @@ def moe_ragged_all_to_all(
       round 0 takes C = the expected load T_dev*K plus 4 * sqrt of it (4 standard
       deviations of uniform random routing), rounded up to a multiple of 8 (from 4096
       rows, of 512: 1.0625x at T_dev*K = 8192), so uniform routing takes one round, and
-      later rounds as many (C_overflow = C: few rounds, each re-reading the weights); C at
-      most N*T_dev*K,
+      later rounds as many (C_overflow = C: few rounds, each re-reading the weights), the
+      last of them a quarter of C (`plan.Rows`); C at most N*T_dev*K,
       the most a device can receive, and that when it is at most `plan.DECODE_ROWS` rows
       (one round whatever the routing) (`plan.default_capacity`); an int C >= 1: C in
       every round.
@@ -150,8 +150,9 @@ def moe_ragged_all_to_all(
     y_TF: f[T, F] in the dtype of `x_TD`; with `return_stats`, `(y_TF, stats)` where stats
     holds `rounds` (i32[]), `sent_items` and `received_items` (i32[devices]: valid items
     each device sends and receives, itself included), `expert_load` (i32[E]),
-    `invalid_ids` (i32[]: ids outside [0, E)), `capacity` and `capacity_overflow` (ints:
-    C and C_overflow); with a placement, `slot_load` (i32[S]: items each slot computed).
+    `invalid_ids` (i32[]: ids outside [0, E)), `capacity`, `capacity_overflow` and
+    `capacity_last` (ints: the rows of round 0, of each big overflow round and of the last,
+    small one); with a placement, `slot_load` (i32[S]: items each slot computed).
 
   Raises:
     TypeError, ValueError: bad arguments, no mesh (none given and none in scope), or E not
@@ -186,7 +187,7 @@ def moe_ragged_all_to_all(
   N = axis_size(mesh, expert_axis)
   E = jax.tree.leaves(w)[0].shape[0] if placement is None else placement.num_slots
   rows = plan_lib.default_capacity(-(-T // mesh.size), K, recv_capacity, N, E // N)
-  return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.overflow)
+  return y_TF, dict(stats, capacity=rows.first, capacity_overflow=rows.big, capacity_last=rows.last)
 
 
 @functools.partial(
@@ -288,7 +289,7 @@ def _ragged_body(
     y_TF = local.rows_to_tokens(y_IF, index, weights_TK)
   stats = (
     dict(
-      rounds=rounds.astype(jnp.int32),
+      rounds=(1 + rounds[0] + rounds[1]).astype(jnp.int32),
       sent_items=jnp.sum(count_NL)[None].astype(jnp.int32),
       received_items=received[None].astype(jnp.int32),
       expert_load=jax.lax.psum(load_E, lay.all_axes),

@@ -1,8 +1,9 @@
 """The ragged dispatch's rounds: each round's exchange there and back, and their vjp.
 
 `ragged.py` plans the queues (`Queues`) and calls `ragged_rounds`: round 0 moves positions
-[0, C) of every device's receive order, each later round (a `while_loop`, as many as the
-fullest receive order needs) the next C_overflow, each with one `ragged_all_to_all` that
+[0, C) of every device's receive order, each later round (`while_loop`s, as many as the
+fullest receive order needs: big rounds, then at most one small one, `plan.Rows`) the
+next rows, each with one `ragged_all_to_all` that
 sends each (source, destination, expert) queue exactly, there and back. One `custom_vjp`
 differentiates them: round 0's vjp from its saved residuals, then a loop that replays each
 later round reversed and adds its gradient into round 0's in place.
@@ -23,7 +24,8 @@ from moe_shard.parallel.common import local_experts, one_expert_or_grouped
 from moe_shard.parallel.ragged_exchange import ragged_exchange
 from moe_shard.sharding import fori_while, zeros_varying
 
-RAGGED_SCOPE = "ragged_overflow_rounds"
+RAGGED_SCOPE = "ragged_overflow_rounds"  # the big overflow rounds' loop
+RAGGED_LAST_SCOPE = "ragged_last_round"  # the last, small overflow round's (0 or 1 trip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Ragged:
 
   axis: str
   local_experts: int  # L
-  rows: plan_lib.Chunks  # receive-buffer rows of round 0, and of each later round
+  rows: plan_lib.Rows  # receive-buffer rows of round 0, the big rounds and the last one
   gmm_impl: str
   tensor_axis: str | None  # expert tensor parallelism (`local_experts`)
 
@@ -118,25 +120,29 @@ def _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y_IF=None):
     )
 
 
-def _overflow_loop(rounds, step, acc):
-  """Folds `step(r, acc)` over the overflow rounds r = 1 .. rounds - 1."""
-  # Named so that the benchmark can scale the loop body by rounds - 1.
+def _overflow(cfg, rounds, step, acc):
+  """Folds `step(start, rows, acc)` over the overflow rounds: `rounds` = (big rounds, last
+  rounds), `cfg.rows.big` rows each from `cfg.rows.start(r)`, then 0 or 1 of
+  `cfg.rows.last` rows after them."""
+  n_big, n_last = rounds
+  rows = cfg.rows
+  # Named so that the benchmark can scale each loop body by its trip count.
   with jax.named_scope(RAGGED_SCOPE):
-    return fori_while(1, rounds, step, acc)
-
-
-def _later_round(cfg, x_ID, ffn_L, q, r, y_IF=None):
-  return _ragged_round(cfg, x_ID, ffn_L, q, cfg.rows.start(r), cfg.rows.overflow, y_IF)
+    acc = fori_while(1, n_big + 1, lambda r, a: step(rows.start(r), rows.big, a), acc)
+  with jax.named_scope(RAGGED_LAST_SCOPE):
+    last = rows.last_start(n_big)
+    return fori_while(0, n_last, lambda _, a: step(last, rows.last, a), acc)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ragged_rounds(cfg, x_ID, ffn_L, q, rounds):
   """Every round of `_ragged_round`: f[I, F], each item's output at its sorted position.
 
-  Round 0 (C rows) runs as plain JAX; the overflow rounds (C_overflow rows each), whose
-  count is data-dependent, run in a `while_loop` that writes into round 0's output.
-  Backward: round 0's vjp from the residuals its forward saved, then a loop that replays
-  each overflow round's vjp and adds it into round 0's gradients in place.
+  Round 0 (C rows) runs as plain JAX; the overflow rounds (`plan.Rows`: big rounds, then
+  at most one last small one), whose count is data-dependent, run in `while_loop`s that
+  write into round 0's output. Backward: round 0's vjp from the residuals its forward
+  saved, then loops that replay each overflow round's vjp and add it into round 0's
+  gradients in place.
   """
   y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0, cfg.rows.first)
   return _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF)
@@ -144,7 +150,11 @@ def ragged_rounds(cfg, x_ID, ffn_L, q, rounds):
 
 def _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF):
   """y_IF with the overflow rounds' outputs written at their items' sorted positions."""
-  return _overflow_loop(rounds, lambda r, y: _later_round(cfg, x_ID, ffn_L, q, r, y), y_IF)
+
+  def step(lo, C, y):
+    return _ragged_round(cfg, x_ID, ffn_L, q, lo, C, y)
+
+  return _overflow(cfg, rounds, step, y_IF)
 
 
 def _ragged_rounds_fwd(cfg, x_ID, ffn_L, q, rounds):
@@ -162,13 +172,13 @@ def _ragged_rounds_bwd(cfg, res, dy_IF):
   vjp0, x_ID, ffn_L, q, rounds = res
   trainable, frozen, tree = split_frozen(ffn_L)
 
-  def add(r, acc):
+  def add(lo, C, acc):
     _, vjp = jax.vjp(
-      lambda x, t: _later_round(cfg, x, merge(tree, t, frozen), q, r), x_ID, trainable
+      lambda x, t: _ragged_round(cfg, x, merge(tree, t, frozen), q, lo, C), x_ID, trainable
     )
     return jax.tree.map(jnp.add, acc, vjp(dy_IF))
 
-  dx, dtrainable = _overflow_loop(rounds, add, vjp0(dy_IF))
+  dx, dtrainable = _overflow(cfg, rounds, add, vjp0(dy_IF))
   return dx, merge(tree, dtrainable, zero_cotangent(frozen)), None, None
 
 

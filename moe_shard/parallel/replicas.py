@@ -16,6 +16,7 @@ own routing (`moe_layer(..., placement="step")`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -256,21 +257,46 @@ class _Tie:
   spec: Any  # the leaf's PartitionSpec on the mesh
 
 
-def tie_bounds(placement, n):
-  """(reduce_rows, return_rows): the static buffer rows of `tie_replicas` on N devices.
+def leader_slots(placement, slots_per_device):
+  """i32[S]: the leader of each slot's expert, the replica that sums its replicas' gradients.
 
-  A slot's leader is its expert's first slot; the others are followers. Exact for a
-  placement known while tracing; S - E (every redundant slot a follower) for a traced one.
+  Experts are taken most replicas first; each gets as leader its replica on the device that
+  leads the fewest other replicas so far (the first such replica in log2phy's order), so
+  no device gathers the gradients of many experts. A function of the placement's arrays
+  (traced or constant).
   """
-  phy2log = placement.phy2log
-  if not concrete(phy2log):
+  log2phy_EX = jnp.asarray(placement.log2phy, jnp.int32)
+  logcnt_E = jnp.asarray(placement.logcnt, jnp.int32)
+  E, X = log2phy_EX.shape
+  n = placement.num_slots // slots_per_device
+
+  def take(i, state):
+    load_N, lead_E = state
+    e = order_E[i]
+    valid_X = jnp.arange(X) < logcnt_E[e]
+    dev_X = jnp.where(valid_X, log2phy_EX[e] // slots_per_device, 0)
+    x = jnp.argmin(jnp.where(valid_X, load_N[dev_X], jnp.iinfo(jnp.int32).max))
+    load_N = load_N.at[dev_X[x]].add(logcnt_E[e] - 1)
+    return load_N, lead_E.at[e].set(log2phy_EX[e, x])
+
+  order_E = jnp.argsort(-logcnt_E, stable=True)
+  init = (jnp.zeros((n,), jnp.int32), jnp.zeros((E,), jnp.int32))
+  _, lead_E = jax.lax.fori_loop(0, E, take, init)
+  return lead_E[jnp.asarray(placement.phy2log, jnp.int32)]
+
+
+def tie_bounds(placement, n):
+  """(reduce_rows, return_rows): the static buffer rows of `tie_replicas` on N devices: the
+  most followers (replicas not their expert's leader, `leader_slots`) whose leader one
+  device holds, and the most one device holds. Exact for a placement known while tracing;
+  S - E (every redundant slot a follower) for a traced one."""
+  if not concrete(placement.phy2log):
     bound = placement.num_slots - placement.num_experts
     return bound, bound
-  p = np.asarray(phy2log)
-  S = p.shape[0]
+  S = placement.num_slots
   Ls = S // n
-  _, first = np.unique(p, return_index=True)
-  leader = first[np.searchsorted(np.unique(p), p)]
+  with jax.ensure_compile_time_eval():  # a constant placement: evaluated here, inside jit too
+    leader = np.asarray(leader_slots(placement, Ls))
   follower = leader != np.arange(S)
   reduce_rows = np.bincount(leader[follower] // Ls, minlength=n).max(initial=0)
   return_rows = np.bincount(np.flatnonzero(follower) // Ls, minlength=n).max(initial=0)
@@ -285,8 +311,9 @@ def tie_replicas(ffn_S, placement, *, mesh, expert_axis, specs):
   expert's gradient, on each of its replicas. So an elementwise optimizer keeps the
   replicas equal, and a step on slot-major parameters is the step on the logical ones.
   On a mesh the sum is two `ragged_all_to_all`s over the expert axis (emulated on CPU): each
-  follower slot (not its expert's first) sends its gradient to its leader's device, which
-  adds them, and the leader sends the sum back; bytes only for replicated experts.
+  follower (a replica that is not its expert's leader, `leader_slots`) sends its gradient
+  to its leader's device, which adds them, and the leader sends the sum back; bytes only
+  for replicated experts.
 
   Args:
     ffn_S: the expert FFN over the S slots, slot axis first (split over `expert_axis` on a
@@ -303,7 +330,8 @@ def tie_replicas(ffn_S, placement, *, mesh, expert_axis, specs):
   reduce_rows, return_rows = tie_bounds(placement, n)
   if reduce_rows == 0:
     return ffn_S  # no expert has two slots (or S = E): nothing to sum
-  phy2log = jnp.asarray(placement.phy2log, jnp.int32)
+  with jax.ensure_compile_time_eval() if concrete(placement.phy2log) else contextlib.nullcontext():
+    leader_S = leader_slots(placement, placement.num_slots // n)  # a constant where it can
   leaves, treedef = jax.tree.flatten(ffn_S, is_leaf=is_quantized)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P) or is_quantized(s))
   out = []
@@ -312,45 +340,43 @@ def tie_replicas(ffn_S, placement, *, mesh, expert_axis, specs):
       out.append(leaf)
       continue
     cfg = _Tie(None if n == 1 else mesh, expert_axis, n, reduce_rows, return_rows, spec)
-    out.append(_tie(cfg, leaf, phy2log))
+    out.append(_tie(cfg, leaf, leader_S))
   return jax.tree.unflatten(treedef, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tie(cfg, leaf_S, phy2log_S):
-  del cfg, phy2log_S
+def _tie(cfg, leaf_S, leader_S):
+  del cfg, leader_S
   return leaf_S
 
 
-def _tie_fwd(cfg, leaf_S, phy2log_S):
+def _tie_fwd(cfg, leaf_S, leader_S):
   del cfg
-  return leaf_S, phy2log_S
+  return leaf_S, leader_S
 
 
-def _tie_bwd(cfg, phy2log_S, d_S):
+def _tie_bwd(cfg, leader_S, d_S):
   if cfg.mesh is None:  # one device: a segment sum over the slots of each expert
-    total = jnp.zeros_like(d_S).at[phy2log_S].add(d_S)
-    return total[phy2log_S], None
+    total = jnp.zeros_like(d_S).at[leader_S].add(d_S)
+    return total[leader_S], None
   spec = cfg.spec
   if explicit_mesh(d_S)[1]:  # on an Explicit mesh: the cotangent's own layout, if it can
     own = jax.typeof(d_S).sharding.spec
     spec = own if own and own[0] == spec[0] else spec
   body = functools.partial(_sum_replicas, cfg=cfg)
   fn = shard_map(body, cfg.mesh, in_specs=(spec, P()), out_specs=spec)
-  return like(fn(place(d_S, cfg.mesh, spec), phy2log_S), d_S), None
+  return like(fn(place(d_S, cfg.mesh, spec), leader_S), d_S), None
 
 
 _tie.defvjp(_tie_fwd, _tie_bwd)
 
 
-def _sum_replicas(d_J, phy2log_S, *, cfg):
+def _sum_replicas(d_J, leader_S, *, cfg):
   """Per device: this device's J = S / N slots' gradients, each replaced by its expert's sum."""
-  n, S = cfg.n, phy2log_S.shape[0]
+  n, S = cfg.n, leader_S.shape[0]
   J = S // n
   me = jax.lax.axis_index(cfg.axis)
   s_S = jnp.arange(S, dtype=jnp.int32)
-  same_SS = phy2log_S[:, None] == phy2log_S[None, :]
-  leader_S = jnp.argmax(same_SS, axis=1).astype(jnp.int32)  # the expert's first slot
   follower_S = leader_S != s_S
   lead_dev_S = leader_S // J
   earlier_SS = s_S[None, :] < s_S[:, None]
