@@ -95,8 +95,8 @@ class MoEConfig:
       (C, C)), or a pair (C_first, C_overflow).
     recv_capacity: receive-buffer rows per device of the "ragged_all_to_all" dispatch
       (`moe_ragged_all_to_all`'s `recv_capacity`): None (default; round 0 the expected load
-      T_dev*K plus 4 * sqrt of it, rounded up to a multiple of 8, later rounds as many) or
-      an int >= 1 (every round). More to receive than fits takes more rounds,
+      T_dev*K plus 4 * sqrt of it, rounded up to a multiple of 8, later rounds as many, the
+      last a quarter, `plan.Rows`) or an int >= 1 (every round). More to receive than fits takes more rounds,
       never drops.
     gmm_impl: grouped-matmul backend of the sorting dispatches (`grouped_matmul`'s `impl`,
       one of `grouped_matmul.GMM_CHOICES`): "auto" (default; by the platform compiled for,

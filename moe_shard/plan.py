@@ -2,7 +2,9 @@
 
 The all_to_all dispatch sends, in round r, slots [start_r, start_r + C_r) of each
 (source, destination) queue. Round 0 has C_first slots, every later (overflow) round
-C_overflow. Everything here is local to one device and testable on its own.
+C_overflow (`Chunks`). The ragged dispatch's receive buffers: round 0's rows, big overflow
+rounds' and one last small round's (`Rows`). Everything here is local to one device and
+testable on its own.
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ def round_counts(count_N, chunks, rounds):
 # receive order is expert-major, source-minor: the queues of local expert 0 from sources
 # 0..N-1, then those of expert 1, and so on, so rows arrive grouped by local expert. Round r
 # moves the window [start_r, start_r + C_r) of every device's receive order into its C_r-row
-# buffer: round 0 C_first rows, then C_overflow rows per round (`Chunks`).
+# buffer: round 0 C rows, then big rounds and one last small one (`Rows`).
 
 
 def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=1):

@@ -91,7 +91,7 @@ def moe_ragged_all_to_all(
   receive expert-major (all sources' items for local expert 0, then expert 1, ...), and
   where its own queues fall in the others' layouts, with no second exchange. Round 0 moves
   positions [0, C) of every device's layout into its C-row receive buffer, each later round
-  the next C_overflow positions, each with one
+  the next positions (C of them, the last round a quarter of C: `plan.Rows`), each with one
   `ragged_all_to_all` that sends each (source, destination, expert) queue exactly: no
   padding on the wire. The rows arrive grouped by local expert, the grouped matmul runs on
   them, and a second `ragged_all_to_all` returns the outputs to the sorted positions they
@@ -125,8 +125,8 @@ def moe_ragged_all_to_all(
       round 0 takes C = the expected load T_dev*K plus 4 * sqrt of it (4 standard
       deviations of uniform random routing), rounded up to a multiple of 8 (from 4096
       rows, of 512: 1.0625x at T_dev*K = 8192), so uniform routing takes one round, and
-      later rounds as many (C_overflow = C: few rounds, each re-reading the weights), the
-      last of them a quarter of C (`plan.Rows`); C at most N*T_dev*K,
+      later rounds as many, the last of them a quarter of C (`plan.Rows`: few rounds, each
+      of which re-reads the weights); C at most N*T_dev*K,
       the most a device can receive, and that when it is at most `plan.DECODE_ROWS` rows
       (one round whatever the routing) (`plan.default_capacity`); an int C >= 1: C in
       every round.
