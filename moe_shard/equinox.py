@@ -111,7 +111,7 @@ class MoE(eqx.Module):
     the one `params` were made for when they are slot-major)."""
     return moe_layer(self.params, x_BSD, self.cfg, mesh=self.mesh, placement=placement)
 
-  def replicate_experts(self, placement: Placement, previous: Placement | None = None) -> MoE:
+  def replicate_experts(self, placement: Placement, *, previous: Placement | None = None) -> MoE:
     """The module with its experts slot-major for `placement` (`ms.replicate_experts`;
     `previous`: the placement slot-major params were made for)."""
     cfg = self.cfg

@@ -84,7 +84,7 @@ def _frozen_fwd(where, arrays):
 
 
 def _frozen_bwd(where, residuals, cotangents):  # unreachable: the forward rule raises
-  raise AssertionError("quant.freeze: a frozen matrix was differentiated")
+  raise AssertionError("frozen.freeze: a frozen matrix was differentiated")
 
 
 _frozen.defvjp(_frozen_fwd, _frozen_bwd, symbolic_zeros=True)

@@ -203,10 +203,20 @@ class MoE(nnx.Module):
         logical).
       optimizer: None (default), or the `nnx.Optimizer` of `model`: its state of this
         module's experts (each `nnx.State` of it, e.g. Adam's mu and nu) moves the same way.
-      model: the module `optimizer` was made for, holding this one (default: this one).
+      model: the module `optimizer` was made for, holding this one (this one itself when
+        it is the whole model); needed with `optimizer`: the optimizer's state is found by
+        this module's path in it.
+
+    Raises:
+      ValueError: `optimizer` without `model`, or a `model` that does not hold this module.
     """
     if optimizer is not None:
-      path = _path_in(model if model is not None else self, self)
+      if model is None:
+        raise ValueError(
+          "MoE.replicate_experts: optimizer= needs model=, the module it was made for "
+          "(this MoE itself when it is the whole model; got model=None)"
+        )
+      path = _path_in(model, self)
       paths = self._expert_paths()
       is_path = lambda x: isinstance(x, tuple)
       for group in _expert_states(optimizer.opt_state, path + ("experts",)):

@@ -234,7 +234,7 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=
     k: K slots per token.
     recv_capacity: None (default): round 0 takes the expected load T*K (every device receives
       T*K items on average) plus 4 standard deviations, `padded_load(T*K)` (2048 -> 2232),
-      and from 4096 rows up a multiple of `kernels.tpu.MAX_ROW_TILE` (512: 8192 -> 8704,
+      and from 4096 rows up a multiple of `kernels.tpu_tiling.MAX_ROW_TILE` (512: 8192 -> 8704,
       1.0625x), the row tile of TPU's grouped matmul, which would otherwise copy the buffer
       into a padded one on every call; the overflow rounds as many (`Rows.big`), the last
       of them a quarter of that, rounded up to a multiple of 8 (`Rows.last`): few large
@@ -244,7 +244,7 @@ def default_capacity(tokens, k, recv_capacity=None, num_devices=None, num_local=
       most `DECODE_ROWS`: at decode sizes every routing then runs one round, reading the
       weights once (T=8, K=2, N=8: 128 rows, where the margin gives 32 and skewed routings
       up to 13 rounds of 8). With `num_local` > 1, round 0 is then rounded up to whole row
-      tiles of TPU's grouped matmul (`kernels.tpu.default_tiling`'s tm for that many rows
+      tiles of TPU's grouped matmul (`kernels.tpu_tiling.default_tiling`'s tm for that many rows
       and groups) where that adds at most 1/16 of its rows: the kernel would otherwise pad
       a copy of the buffer on every call (256 tokens per device, K=8: 2232 -> 2304 rows),
       while every other pass over the buffer moves the added rows (K=4: 1152 stays, not

@@ -179,7 +179,8 @@ def plan_placement(
   Args:
     load: [E] or [L, E] a load per expert (e.g. tokens routed over a window, `LoadWindow`),
       >= 0 and finite. A layer whose load is all zeros (an empty `LoadWindow`) gets
-      `home_layout`: the items stay where no placement puts them.
+      `home_layout`: the items stay where no placement puts them (with E not divisible
+      by N, where there is no such layout: the packing of an even load).
     num_slots: S >= E slots, a multiple of `num_devices`.
     num_devices: N devices on the expert axis.
     num_groups: expert groups (default 1), dividing E; hierarchical when it divides by
@@ -215,17 +216,13 @@ def plan_placement(
   _checks.divisible(fn, "num_experts", E, "num_groups", groups)
   w2 = w.reshape(-1, E)
   idle = ~np.any(w2 > 0, axis=1)  # nothing to plan from: the layout of no placement
-  if np.any(idle):
-    if E % N:
-      raise ValueError(
-        f"{fn}: load{f' of layer {int(np.argmax(idle))}' if w.ndim == 2 else ''} is all "
-        f"zeros (an empty LoadWindow?): nothing to plan from, and the layout without a "
-        f"placement needs num_experts ({E}) divisible by num_devices ({N})"
-      )
-    if np.all(idle):
-      return Placement.from_phy2log(
-        np.broadcast_to(home_layout(E, S, N), (*w.shape[:-1], S)).copy(), E
-      )
+  if np.any(idle) and E % N:  # no such layout: the packing of an even load
+    w2 = np.where(idle[:, None], 1.0, w2)
+    idle = np.zeros_like(idle)
+  if np.all(idle):
+    return Placement.from_phy2log(
+      np.broadcast_to(home_layout(E, S, N), (*w.shape[:-1], S)).copy(), E
+    )
   if keep_home:
     if groups != 1 or nodes != 1:
       raise ValueError(

@@ -261,7 +261,8 @@ class StepPlacement:
   def plan(
     self, load_E: Any, num_devices: int, devices_per_position: int = 1
   ) -> tuple[Placement, jax.Array]:
-    """(the step's placement, bool[] whether it replicates anything) for a load [E]
+    """(the step's placement, bool[] whether it pays: it saves the busiest device more than
+    `rows_per_moved_expert` rows per expert moved) for a load [E]
     summed over the mesh, `num_devices` positions of the expert axis each spanning
     `devices_per_position` devices (the other mesh axes: each computes its share of the
     position's rows and fetches its own replicas' weights)."""

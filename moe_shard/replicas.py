@@ -34,7 +34,7 @@ from moe_shard import _checks
 from moe_shard.parallel.common import shard_map, split_specs
 from moe_shard.parallel.replicas import gather_slots
 from moe_shard.params import MoEParams
-from moe_shard.placement import Placement, check_placement
+from moe_shard.placement import Placement, check_placement, concrete
 from moe_shard.sharding import EXPERT, axis_size, place, resolve_mesh
 
 
@@ -104,6 +104,7 @@ def replicate_experts(
   first = jax.tree.leaves(params.experts)[0].shape[0]
   if served:
     previous = check_placement(fn, previous, E, n)
+    _host_placement(fn, "previous", previous)
     want, what = previous.num_slots, "the slots of previous"
   else:
     want, what = E, "the placement's experts"
@@ -120,9 +121,19 @@ def _on_mesh(fn, placement, mesh, expert_axis):
   """(the placement, checked for the expert axis; the mesh resolved; N devices on the axis)."""
   if not isinstance(placement, Placement):
     raise TypeError(f"{fn}: placement must be a Placement (got {type(placement).__name__})")
+  _host_placement(fn, "placement", placement)
   mesh = resolve_mesh(fn, mesh, expert_axis, required=False)
   n = 1 if mesh is None else axis_size(mesh, expert_axis)
   return check_placement(fn, placement, placement.num_experts, n), mesh, n
+
+
+def _host_placement(fn, name, placement):
+  """Slots' weights move by a plan made on the host: a placement traced inside jit cannot say."""
+  if not concrete(placement.phy2log):
+    raise TypeError(
+      f"{fn}: {name} must be known on the host (NumPy or concrete arrays): the slots' rows "
+      f"move by a plan made from it (got a placement traced inside jit)"
+    )
 
 
 def _rows_from(experts, src_dev, src_row, rows, mesh, n, axes):
@@ -241,6 +252,9 @@ def logical_global_norm(tree: Any, placement: Placement) -> jax.Array:
 
   Returns:
     f32[] the norm.
+
+  Raises:
+    ValueError: an expert leaf of a `SlotParams` does not lead with the placement's axes.
   """
   cnt_S = jnp.take_along_axis(
     jnp.asarray(placement.logcnt), jnp.asarray(placement.phy2log), axis=-1
@@ -254,6 +268,12 @@ def logical_global_norm(tree: Any, placement: Placement) -> jax.Array:
     rest = dataclasses.replace(t, experts=None)
     out = [jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(rest)]
     for a in jax.tree.leaves(t.experts):
+      if a.shape[: weight.ndim] != weight.shape:
+        raise ValueError(
+          "logical_global_norm: the experts of tree's SlotParams must lead with the "
+          f"placement's slot axes {weight.shape} ([S], or [L, S] for L layers; got a leaf "
+          f"of shape {a.shape})"
+        )
       sq = jnp.square(a.astype(jnp.float32)).reshape(weight.shape + (-1,))
       out.append(jnp.sum(weight[..., None] * sq))
     return out
@@ -348,10 +368,11 @@ class LoadWindow:
       raise ValueError(f"{fn}: expert_load must have shape {self.shape} (got {shape})")
     dtype = getattr(expert_load, "dtype", None)
     dtype = np.asarray(expert_load).dtype if dtype is None else np.dtype(dtype)
-    if not (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)):
+    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
       raise TypeError(f"{fn}: expert_load must hold integers or floats (got {dtype})")
     if not isinstance(expert_load, jax.Array):  # host data: checked now, for free
-      _check_load(fn, np.asarray(expert_load), len(self._steps))
+      # Its index once appended (the oldest step leaves a full window first).
+      _check_load(fn, np.asarray(expert_load), min(len(self._steps), self.window - 1))
     self._steps.append(expert_load)
 
   def __len__(self) -> int:
@@ -365,7 +386,7 @@ class LoadWindow:
       ValueError: a step's load holds a negative or non-finite value (named by its step).
     """
     steps = [np.asarray(step) for step in self._steps]
-    floats = any(np.issubdtype(step.dtype, np.floating) for step in steps)
+    floats = any(jnp.issubdtype(step.dtype, jnp.floating) for step in steps)  # bf16 too
     total = np.zeros(self.shape, np.float64 if floats else np.int64)
     for i, step in enumerate(steps):
       _check_load("LoadWindow.load", step, i)
@@ -374,7 +395,9 @@ class LoadWindow:
 
 
 def _check_load(fn, load, step):
-  bad = ~np.isfinite(load) | (load < 0) if np.issubdtype(load.dtype, np.floating) else load < 0
+  if jnp.issubdtype(load.dtype, jnp.floating):
+    load = load.astype(np.float64)
+  bad = ~np.isfinite(load) | (load < 0) if load.dtype == np.float64 else load < 0
   if np.any(bad):
     value = load[np.unravel_index(int(np.argmax(bad)), load.shape)]
     raise ValueError(

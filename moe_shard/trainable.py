@@ -5,7 +5,7 @@
     params = merge_trainable(trainable, frozen)
 
 Frozen leaves are the quantized matrices (`QuantizedArray`: the layer refuses to be
-differentiated in them, `quant.freeze`), the base matrix under an adapter (`adapters.py`),
+differentiated in them, `frozen.freeze`), the base matrix under an adapter (`adapters.py`),
 and the router's selection bias `router_bias` (moved by `update_router_bias`, not by
 gradients).
 """

@@ -317,3 +317,99 @@ def test_leaders_spread_over_the_devices():
   first_leader = first[np.searchsorted(np.unique(phy2log), phy2log)]
   firsts = np.bincount(first_leader[first_leader != np.arange(24)] // 3, minlength=8).max()
   assert firsts == 6
+
+
+def test_slot_major_training_on_an_expert_axis_of_one_device():
+  # Explicit mesh (8, 1): the replicas' gradient sum runs on one device of the expert axis,
+  # on a cotangent typed sharded over it.
+  cfg = config(impl="ragged_dot", gmm_impl="ragged_dot")
+  params, x, ct, _, _, want_dparams, _ = reference(_oracle_key({"impl": "ragged_dot"}, "float32"))
+  mesh = _mesh((8, 1), DE, EXPLICIT)
+  params, x = _place(jax.tree.map(jnp.asarray, params), jnp.asarray(x), cfg, mesh)
+  placement = _placement("one_hot")
+  with jax.set_mesh(mesh):
+    slots = ms.replicate_experts(params, placement, mesh=mesh)
+
+    def loss(p):
+      y, aux = ms.moe_layer(p, x, cfg, mesh, placement=placement)
+      return jnp.sum(y * ct) + aux["aux_loss"]
+
+    grads = jax.jit(jax.grad(loss))(slots)
+  phy2log = np.asarray(placement.phy2log)
+  m = Mismatches("expert axis of one")
+  m.close_tree(grads.experts, jax.tree.map(lambda g: np.asarray(g)[phy2log], want_dparams.experts))
+  m.check()
+
+
+def test_replica_gradient_sum_of_a_traced_placement_with_an_unplaced_expert():
+  # Expert 1 has no slot and expert 0 six: 5 followers, more than S - E = 4. The tie's
+  # gradient of sum(w * c) is, in every slot, the sum of c over its expert's slots.
+  from jax.sharding import PartitionSpec as P
+
+  from moe_shard.parallel import tie_replicas
+
+  mesh = _mesh((2, 4), DE, EXPLICIT)
+  phy2log = np.array([0, 7, 2, 3, 0, 4, 5, 6, 0, 0, 0, 0], np.int32)
+  logcnt = np.bincount(phy2log, minlength=E).astype(np.int32)
+  log2phy = np.full((E, logcnt.max()), -1, np.int32)
+  for e in range(E):
+    log2phy[e, : logcnt[e]] = np.flatnonzero(phy2log == e)
+  c = np.random.default_rng(0).normal(size=(12, 3, 2)).astype(np.float32)
+  spec = P("expert")
+
+  @jax.jit
+  def grad(w, arrays):
+    placement = ms.Placement(*arrays)  # traced: checked only where it can be
+    tied = lambda w: tie_replicas(w, placement, mesh=mesh, expert_axis="expert", specs=spec)
+    return jax.grad(lambda w: jnp.sum(tied(w) * c))(w)
+
+  with jax.set_mesh(mesh):
+    w = jax.device_put(jnp.zeros((12, 3, 2)), jax.NamedSharding(mesh, spec))
+    got = grad(w, tuple(jnp.asarray(a) for a in (phy2log, log2phy, logcnt)))
+  want = np.stack([c[phy2log == phy2log[s]].sum(0) for s in range(12)])
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_review_checks_of_the_replica_helpers():
+  placement = _placement("one_hot")
+  # logical_global_norm: slots stacked over layers with a one-layer placement would mix them.
+  fields = {f.name: None for f in dataclasses.fields(ms.MoEParams)}
+  stacked = ms.SlotParams(**dict(fields, experts=jnp.ones((2, 12, 3))))
+  with pytest.raises(ValueError, match=r"logical_global_norm: .*slot axes \(12,\).*\(2, 12, 3\)"):
+    ms.logical_global_norm(stacked, placement)
+  # replicate_experts: a placement traced inside jit is refused, named.
+  _, mesh, params, *_ = _setup("all_to_all")
+  with (
+    jax.set_mesh(mesh),
+    pytest.raises(TypeError, match=r"replicate_experts: placement must be known on the host"),
+  ):
+    jax.jit(lambda *arrays: ms.replicate_experts(params, ms.Placement(*arrays), mesh=mesh))(
+      *(jnp.asarray(a) for a in (placement.phy2log, placement.log2phy, placement.logcnt))
+    )
+  # LoadWindow: bfloat16 loads are floats; a full window names the step the load takes.
+  window = ms.LoadWindow(4, window=2)
+  window.record(jnp.array([0.5, 0.25, 0.125, 0.125], jnp.bfloat16))
+  window.record(np.array([1, 2, 3, 4]))
+  np.testing.assert_allclose(window.load(), [1.5, 2.25, 3.125, 4.125])
+  with pytest.raises(ValueError, match=r"step 1 of the window holds -2"):
+    window.record(np.array([1, -2, 3, 4]))
+  # plan_placement: an all-zero load with E not divisible by N plans an even load's packing.
+  planned = ms.plan_placement(np.zeros(6), 8, 4)
+  assert sorted(np.bincount(np.asarray(planned.phy2log), minlength=6)) == [1, 1, 1, 1, 2, 2]
+
+
+def test_nnx_optimizer_state_moves_only_with_its_model():
+  pytest.importorskip("flax.nnx")
+  from flax import nnx
+
+  from moe_shard.nnx import MoE
+
+  cfg = config(impl="all_to_all", gmm_impl="ragged_dot", num_shared_experts=0)
+  mesh = _mesh((2, 4), DE, EXPLICIT)
+  with jax.set_mesh(mesh):
+    moe = MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh)
+    optimizer = nnx.Optimizer(moe, optax.adam(LR), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"optimizer= needs model=.*got model=None"):
+      moe.replicate_experts(_placement("one_hot"), optimizer=optimizer)
+    moe.replicate_experts(_placement("one_hot"), optimizer=optimizer, model=moe)
+    assert optimizer.opt_state[0].mu["experts"]["gate_EDF"][...].shape[0] == 12

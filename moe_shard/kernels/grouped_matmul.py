@@ -69,9 +69,9 @@ _KERNEL_EXTRAS = {"gpu": "moe_shard[gpu]"}
 
 def kernel_module(name):
   """The kernel module `moe_shard.kernels.<name>` ("tpu", "tpu_quant", "gpu"), imported when
-  a backend is first traced, so that `import moe_shard` loads neither Pallas TPU nor Mosaic
-  GPU, and what a platform's kernels import (absl-py for Mosaic GPU) is needed only where
-  they are used.
+  a backend is first traced, so that `import moe_shard` imports none of moe_shard's kernel
+  modules (nor `jax.experimental.pallas.tpu` or `jax.experimental.mosaic.gpu`), and what a
+  platform's kernels import (absl-py for Mosaic GPU) is needed only where they are used.
 
   Raises:
     ImportError: a module the kernels import is missing, naming it and the extra to install.
@@ -79,10 +79,11 @@ def kernel_module(name):
   try:
     return importlib.import_module(f"moe_shard.kernels.{name}")
   except ModuleNotFoundError as err:
-    extra = _KERNEL_EXTRAS.get(name, "jax")
+    extra = _KERNEL_EXTRAS.get(name)
+    fix = f"pip install '{extra}'" if extra else "it ships with jax's Pallas: check the jax install"
     raise ImportError(
       f"grouped_matmul: the kernels of moe_shard.kernels.{name} import {err.name!r}, which "
-      f"is not installed (pip install '{extra}')"
+      f"is not installed ({fix})"
     ) from err
 
 

@@ -35,7 +35,7 @@ from moe_shard.parallel.common import shard_map
 from moe_shard.parallel.ragged_exchange import ragged_exchange
 from moe_shard.placement import concrete
 from moe_shard.quant import is_quantized
-from moe_shard.sharding import axis_size, explicit_mesh, like, place
+from moe_shard.sharding import auto, axis_size, explicit_mesh, like, place
 
 
 def gather_slots(leaf_R, src_dev_S, src_row_S, *, axis, n):
@@ -276,7 +276,7 @@ def leader_slots(placement, slots_per_device):
     valid_X = jnp.arange(X) < logcnt_E[e]
     dev_X = jnp.where(valid_X, log2phy_EX[e] // slots_per_device, 0)
     x = jnp.argmin(jnp.where(valid_X, load_N[dev_X], jnp.iinfo(jnp.int32).max))
-    load_N = load_N.at[dev_X[x]].add(logcnt_E[e] - 1)
+    load_N = load_N.at[dev_X[x]].add(jnp.maximum(logcnt_E[e] - 1, 0))  # unplaced: 0 slots
     return load_N, lead_E.at[e].set(log2phy_EX[e, x])
 
   order_E = jnp.argsort(-logcnt_E, stable=True)
@@ -289,9 +289,10 @@ def tie_bounds(placement, n):
   """(reduce_rows, return_rows): the static buffer rows of `tie_replicas` on N devices: the
   most followers (replicas not their expert's leader, `leader_slots`) whose leader one
   device holds, and the most one device holds. Exact for a placement known while tracing;
-  S - E (every redundant slot a follower) for a traced one."""
+  S - 1 for a traced one (every slot but one a follower: one expert in every slot, the
+  others unplaced, is a valid placement)."""
   if not concrete(placement.phy2log):
-    bound = placement.num_slots - placement.num_experts
+    bound = placement.num_slots - 1
     return bound, bound
   S = placement.num_slots
   Ls = S // n
@@ -357,8 +358,12 @@ def _tie_fwd(cfg, leaf_S, leader_S):
 
 def _tie_bwd(cfg, leader_S, d_S):
   if cfg.mesh is None:  # one device: a segment sum over the slots of each expert
-    total = jnp.zeros_like(d_S).at[leader_S].add(d_S)
-    return total[leader_S], None
+
+    def segment_sum(d, lead):
+      return jnp.zeros_like(d).at[lead].add(d)[lead]
+
+    # On an Explicit mesh whose expert axis has one device the cotangent is typed sharded.
+    return auto(segment_sum, d_S, lambda spec: spec)(d_S, leader_S), None
   spec = cfg.spec
   if explicit_mesh(d_S)[1]:  # on an Explicit mesh: the cotangent's own layout, if it can
     own = jax.typeof(d_S).sharding.spec
