@@ -693,8 +693,10 @@ def test_tpu_program_has_ragged_all_to_all_and_no_emulation():
     assert "ragged-all-to-all(" in text
     small = re.findall(r"= (\S+) (?:all-to-all|all-gather)(?:-start)?\(", text)
     assert small and all(t.startswith(("s32[", "(s32[")) for t in small), small
-    coll = measure.collective_bytes(text, {"ragged_overflow_rounds": 1, "ragged_last_round": 0})
+    coll = measure.collective_bytes(
+      text, {"ragged_overflow_rounds": 1, "ragged_last_round:branch": 0}
+    )
     assert coll["ragged-all-to-all"]["count"] >= 2
     if i == 0:
-      trips = {"ragged_overflow_rounds": 0, "ragged_last_round": 0}
+      trips = {"ragged_overflow_rounds": 0, "ragged_last_round:branch": 0}
       assert measure.dependent_collectives(text, trips) == 3

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_shard as ms
+from bench.reading.hlo import branch_key
 from moe_shard.kernels.tiled import GROUP_SCOPE, TILE_SCOPE, default_tiles, tile_sizes
 from moe_shard.parallel import OVERFLOW_SCOPE, RAGGED_LAST_SCOPE, RAGGED_SCOPE
 from moe_shard.sharding import EXPERT
@@ -249,7 +250,10 @@ def ragged_all_to_all(case, on_tpu=False):
   D = case.size.D
   f_out = case.size.F if case.level == "kernel" else D
   b = np.dtype(jnp.dtype(case.size.dtype)).itemsize
-  trips = [{RAGGED_SCOPE: rounds - 1 - n_last, RAGGED_LAST_SCOPE: n_last} for _ in range(n_dev)]
+  # The big rounds' loop runs its trips; the last round's cond takes branch 1 when it runs.
+  trips = [
+    {RAGGED_SCOPE: rounds - 1 - n_last, branch_key(RAGGED_LAST_SCOPE): n_last} for _ in range(n_dev)
+  ]
   loop_of = lambda r: (
     "" if r == 0 else (RAGGED_LAST_SCOPE if r == rounds - n_last else RAGGED_SCOPE) + "/"
   )

@@ -252,7 +252,8 @@ def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None
   independent ones (a statistic's psum beside the exchange) can. Within a computation the
   chain follows operands in the HLO text's order (operands first); a while loop adds its
   body's chain once per iteration (its carry makes each iteration wait for the last), a
-  call, fusion or conditional its callee's (the longest branch's). One collective that
+  call, fusion or conditional its callee's (the longest branch of those that run, by the
+  `branch_key`s in `trip_counts`). One collective that
   XLA splits into pieces (an async collective fused with the compute it overlaps: a start,
   continuations and a done, each holding the collective, with one `channel_id` and
   `chain_id`) counts once. The count a fixed latency per collective multiplies (`bench.reading.tpu.estimates`).
@@ -266,7 +267,11 @@ def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None
     a loop runs a different number of times per entry).
   """
   mod = _module(compiled)
-  runs = mod.executions(trip_counts, default_trip_count) if mod.loops else {mod.entry: 1.0}
+  runs = (
+    mod.executions(trip_counts, default_trip_count)
+    if mod.loops or mod.conditionals
+    else {mod.entry: 1.0}
+  )
   home = _home_computations(mod)
   loops = {lp.name: (lp.body, lp.condition) for lp in mod.loops}
   memo = {}
@@ -296,6 +301,8 @@ def dependent_collectives(compiled, trip_counts=None, *, default_trip_count=None
         callees = [c for key, c in _CALLED_RE.findall(ins.attrs) if key != "body"]
         for group in _BRANCHES_RE.findall(ins.attrs):
           callees += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
+        if ins.opcode == "conditional":  # the branches that run (`hlo.branch_key`)
+          callees = [c for c in callees if runs.get(c, 1.0) > 0] or callees
         own, pieces = max((chain(c) for c in callees), key=lambda d: d[0], default=_NO_CHAIN)
       # The longest chain through ins, over its operands'.
       best = _NO_CHAIN

@@ -1,9 +1,9 @@
 """The ragged dispatch's rounds: each round's exchange there and back, and their vjp.
 
 `ragged.py` plans the queues (`Queues`) and calls `ragged_rounds`: round 0 moves positions
-[0, C) of every device's receive order, each later round (`while_loop`s, as many as the
-fullest receive order needs: big rounds, then at most one small one, `plan.Rows`) the
-next rows, each with one `ragged_all_to_all` that
+[0, C) of every device's receive order, each later round (as many as the fullest receive
+order needs: big rounds in a `while_loop`, then at most one small one in a `cond`,
+`plan.Rows`) the next rows, each with one `ragged_all_to_all` that
 sends each (source, destination, expert) queue exactly, there and back. One `custom_vjp`
 differentiates them: round 0's vjp from its saved residuals, then a loop that replays each
 later round reversed and adds its gradient into round 0's in place.
@@ -25,7 +25,7 @@ from moe_shard.parallel.ragged_exchange import ragged_exchange
 from moe_shard.sharding import fori_while, zeros_varying
 
 RAGGED_SCOPE = "ragged_overflow_rounds"  # the big overflow rounds' loop
-RAGGED_LAST_SCOPE = "ragged_last_round"  # the last, small overflow round's (0 or 1 trip)
+RAGGED_LAST_SCOPE = "ragged_last_round"  # the last, small overflow round's cond (runs or not)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +129,11 @@ def _overflow(cfg, rounds, step, acc):
   # Named so that the benchmark can scale each loop body by its trip count.
   with jax.named_scope(RAGGED_SCOPE):
     acc = fori_while(1, n_big + 1, lambda r, a: step(rows.start(r), rows.big, a), acc)
+  # The last round in a cond, not a loop of 0 or 1 trips: XLA hoists a loop's invariant
+  # reshapes of the exchange buffers out of it, where they run even when it does not.
   with jax.named_scope(RAGGED_LAST_SCOPE):
     last = rows.last_start(n_big)
-    return fori_while(0, n_last, lambda _, a: step(last, rows.last, a), acc)
+    return jax.lax.cond(n_last > 0, lambda a: step(last, rows.last, a), lambda a: a, acc)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
