@@ -116,7 +116,10 @@ def moe_layer(
       (replicated experts: each item goes to one replica of its expert, the outputs and
       gradients are the layer's without one; logical params fetch the slots' weights
       and sum their gradients back), or "step" / a `StepPlacement` (planned inside the
-      step from its own load, used where it pays). docs/guides/skew.md.
+      step from its own load, used where it pays). docs/guides/skew.md. A placement
+      passed traced is not checked: with logical params it must give every expert a
+      slot (as `plan_placement` and the per-step plan do), or the slots' gradient return
+      is sized too small.
 
   Returns:
     (y_BSD, aux). y_BSD has the shape, dtype and sharding of x_BSD. aux is a dict:
