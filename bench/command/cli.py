@@ -28,7 +28,10 @@ expert weights over "expert"); see `bench/cases/programs.py`. On a CPU-only mach
     second being the one the roofline uses. The collectives' latency (`latency_s`): the
     longest chain of collectives that wait on each other (`dependent_collectives`) times a
     published fixed cost per collective (1 us per ICI hop between the slice's farthest
-    chips, `moe_shard.chips`), which the rooflines leave out.
+    chips, `moe_shard.chips`), which the rooflines leave out. ICI exposed: the part of the
+    ICI time that the compiled schedule leaves uncovered (`bench/reading/schedule.py`: a
+    synchronous collective covers nothing; an async one is covered by the ops scheduled
+    between its start and done), which the roofline assumes hidden.
   bound ms (roofline/bound, the roofline less VMEM prefetches over it, that plus the
     latency over it; then, after a semicolon, that with the grouped matmuls' weights
     counted for the groups their grids visit, which XLA counts in full

@@ -53,6 +53,7 @@ CSV_FIELDS = (
   "compute_s",
   "hbm_s",
   "ici_s",
+  "ici_exposed_s",
   "hbm_bytes_xla",
   "hbm_bytes_accessed",
   "hbm_bytes_no_prefetch",

@@ -94,6 +94,8 @@ def table(rows):
       "roofline/bound, less VMEM prefetches, + latency; visited groups" if tpu else "time/bound"
     )
     head = head.replace(" | eff. |", f" | bound ms ({over}) | eff. |")
+  if any("ici_exposed_s" in r for r in rows):  # the schedule's figure (`reading/schedule.py`)
+    head = head.replace("(compute/HBM/ICI)", "(compute/HBM/ICI; ICI exposed)", 1)
   out = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     common = f"| {r['level']} | {r['T']} | {r['E']} | {routing(r)} | {r['mode']} | {r['impl']} "
@@ -121,8 +123,10 @@ def table(rows):
       tail += f"{r['balancedness']:.2f} ({r['busiest_rows']}) | " if "balancedness" in r else "- | "
     tail += f"{r['rounds'] if r['rounds'] else '-'} | {r['dropped']} "
     if tpu:
+      exposed = f"; {_ms(r['ici_exposed_s'])}" if "ici_exposed_s" in r else ""
       roof = (
-        f"{_ms(r['roofline_s'])} ({_ms(r['compute_s'])}/{_ms(r['hbm_s'])}/{_ms(r['ici_s'])})"
+        f"{_ms(r['roofline_s'])} ({_ms(r['compute_s'])}/{_ms(r['hbm_s'])}/{_ms(r['ici_s'])}"
+        f"{exposed})"
         if "roofline_s" in r
         else "-"
       )
