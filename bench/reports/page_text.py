@@ -30,6 +30,7 @@ SECTIONS = {
   "tpu_v5e_2x4_skew": "Replicated experts under Zipf routing, compiled for TPU v5e 2x4",
   "tpu_v6e_2x4_skew": "Replicated experts under Zipf routing, compiled for TPU v6e 2x4",
   "tpu_v5e_2x4_skew_decode": "Replicated experts at decode (Qwen3-30B-A3B), TPU v5e 2x4",
+  "tpu_tpu7x_2x2x1_step": "The layer's training step compiled for TPU7x (Ironwood) 2x2x1",
   "tpu_v5e_ragged": "ragged_all_to_all against all_to_all, v5e 2x4, its first version",
   "tpu_v5e_2x4": "Every implementation compiled for TPU v5e 2x4, an earlier tree",
   "tpu_v6e_2x4": "The layer at E=64 compiled for TPU v6e 2x4, an earlier tree",
