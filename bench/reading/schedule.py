@@ -28,19 +28,15 @@ from __future__ import annotations
 
 import re
 
-from bench.reading import hbm, hlo_ops, measure, tpu
+from bench.reading import hbm, hlo, hlo_ops, measure, tpu
 
 _CHAIN_RE = re.compile(r'chain_id="?(\w+)')
 _CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
-_CALLS_RE = re.compile(
-  r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
-)
-_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
 def _callees(ins):
-  names = _CALLS_RE.findall(ins.attrs)
-  for group in _BRANCHES_RE.findall(ins.attrs):
+  names = [name for _, name in hlo._CALLED_RE.findall(ins.attrs)]
+  for group in hlo._BRANCHES_RE.findall(ins.attrs):
     names += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
   return names
 
@@ -173,9 +169,9 @@ def _windows(mod, comp, seconds):
       w = pieces.setdefault(key, [wire, 0.0, 0.0])
       w[2] = w[1]  # what ran between its first piece and this one
       continue
-    start = ins.opcode.endswith("-start") and _async_wire(mod, ins, types)
-    if start is not False and start is not None:
-      open_[ins.name] = [start, 0.0]
+    wire = _async_wire(mod, ins, types) if ins.opcode.endswith("-start") else None
+    if wire is not None:
+      open_[ins.name] = [wire, 0.0]
       continue
     handle = ins.operands[0] if ins.operands else None
     if ins.opcode == "async-update" and handle in open_:

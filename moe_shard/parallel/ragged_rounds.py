@@ -141,10 +141,10 @@ def ragged_rounds(cfg, x_ID, ffn_L, q, rounds):
   """Every round of `_ragged_round`: f[I, F], each item's output at its sorted position.
 
   Round 0 (C rows) runs as plain JAX; the overflow rounds (`plan.Rows`: big rounds, then
-  at most one last small one), whose count is data-dependent, run in `while_loop`s that
-  write into round 0's output. Backward: round 0's vjp from the residuals its forward
-  saved, then loops that replay each overflow round's vjp and add it into round 0's
-  gradients in place.
+  at most one last small one), whose count is data-dependent, run in a `while_loop` and a
+  `cond` that write into round 0's output. Backward: round 0's vjp from the residuals its
+  forward saved, then the same loop and cond replaying each overflow round's vjp and
+  adding it into round 0's gradients in place.
   """
   y_IF = _ragged_round(cfg, x_ID, ffn_L, q, 0, cfg.rows.first)
   return _write_overflow(cfg, x_ID, ffn_L, q, rounds, y_IF)
