@@ -667,3 +667,31 @@ def test_conditional_counts_the_branch_named_taken():
   runs = mod.executions({measure.branch_key("pick"): 1, "inner": 5})
   (loop,) = mod.loops
   assert runs[loop.body] == 0.0  # the loop of the branch not taken never runs
+
+
+def test_a_computation_on_another_execution_thread_ends_where_its_brace_does():
+  """TPU7x's programs hold SparseCore computations, closed by `}, execution_thread=...`: the
+  computation after one is parsed on its own (here a dot in the entry would otherwise be
+  read as the SparseCore copy's)."""
+  text = """HloModule m
+
+%sc_copy (p: bf16[8,128]) -> bf16[8,128] {
+  ROOT %p = bf16[8,128]{1,0} parameter(0)
+}, execution_thread="sparsecore"
+
+%fused_dot (a: f32[64,32], b: f32[32,16]) -> f32[64,16] {
+  %a = f32[64,32]{1,0} parameter(0)
+  %b = f32[32,16]{1,0} parameter(1)
+  ROOT %d = f32[64,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[64,32], w: f32[32,16]) -> f32[64,16] {
+  %x = f32[64,32]{1,0} parameter(0)
+  %w = f32[32,16]{1,0} parameter(1)
+  ROOT %f = f32[64,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+}
+"""
+  mod = measure.parse_hlo(text)
+  assert set(mod.comps) == {"sc_copy", "fused_dot", "main"}
+  assert mod.dot_flops["fused_dot"] == 2 * 64 * 32 * 16
+  assert mod.calls["main"] == [("fused_dot", "call")]

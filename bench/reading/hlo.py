@@ -238,7 +238,7 @@ def parse_hlo(text):
         if m.group(1):
           entry = current
       continue
-    if line.strip() == "}":
+    if line.startswith("}"):  # "}", or "}, execution_thread=..." (TPU7x's SparseCore)
       current = None
       continue
     ins = _parse_instruction(line)
