@@ -36,7 +36,8 @@ from moe_shard.balance import (
   update_router_bias,
 )
 from moe_shard.config import MoEConfig
-from moe_shard.dispatch import DISPATCHES, Dispatch, choose_impl
+from moe_shard.dispatch import DISPATCHES, Dispatch
+from moe_shard.exchange_rule import choose_impl
 from moe_shard.experts import (
   EXPERTS,
   ClampedSwiGLU,

@@ -2,7 +2,7 @@
 latency of a collective over the chips' interconnect.
 
 `impl="auto"` at decode sizes compares the dispatches' estimated times
-(`dispatch.decode_estimates`); the benchmark's roofline adds the same latency per collective
+(`exchange_rule.decode_estimates`); the benchmark's roofline adds the same latency per collective
 (`bench.reading.tpu.estimates`). A chip not listed here has no estimate: "auto" keeps its rule for
 unpriced chips there.
 

@@ -54,9 +54,9 @@ from moe_shard.dispatch import (
   Dispatch,
   DispatchFn,
   check_placement_keywords,
-  choose_impl,
   get_dispatch,
 )
+from moe_shard.exchange_rule import choose_impl
 from moe_shard.experts import shared_experts
 from moe_shard.frozen import freeze
 from moe_shard.parallel.common import split_specs

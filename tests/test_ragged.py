@@ -453,7 +453,7 @@ def test_auto_is_ragged_on_tpu_and_chunked_on_cpu():
   ],
 )
 def test_auto_rule(platform, expert_devices, tokens, want):
-  from moe_shard.dispatch import DECODE_TOKENS, auto_impl
+  from moe_shard.exchange_rule import DECODE_TOKENS, auto_impl
 
   assert DECODE_TOKENS == 64
   assert auto_impl(platform, expert_devices, tokens) == want
@@ -470,7 +470,7 @@ def test_auto_rule(platform, expert_devices, tokens, want):
   ],
 )
 def test_auto_rule_at_decode_weighs_the_buffer_against_the_weights(rows, weight_bytes, want):
-  from moe_shard.dispatch import DECODE_ROWS_PER_WEIGHT_BYTE, auto_impl
+  from moe_shard.exchange_rule import DECODE_ROWS_PER_WEIGHT_BYTE, auto_impl
 
   assert DECODE_ROWS_PER_WEIGHT_BYTE == 128
   got = auto_impl("tpu", 8, 64, rows_per_expert=rows, weight_bytes=weight_bytes)
@@ -482,8 +482,54 @@ def test_auto_rule_at_decode_weighs_the_buffer_against_the_weights(rows, weight_
   assert auto_impl("cpu", 8, 64, rows_per_expert=rows, weight_bytes=weight_bytes) == "all_to_all"
 
 
+@pytest.mark.parametrize("tokens", [None, 65, 4096])
+def test_auto_rule_past_decode_takes_all_to_all_above_the_ridge(tokens):
+  """Past decode sizes the chip's ridge point (FLOP/s per HBM byte/s) picks the exchange:
+  at or below `STEP_RIDGE` the ragged dispatch's exact rows, above it all_to_all's fewer
+  bytes; no ridge (GPUs, unknown chips) keeps the ragged dispatch, and CPU has no ragged
+  collective. Decode sizes are priced apart."""
+  from moe_shard.exchange_rule import STEP_RIDGE, auto_impl
+
+  assert 240.5 < STEP_RIDGE < 312.6  # TPU v5e's ridge, TPU7x's (bench/results/tpu_*_step)
+  assert auto_impl("tpu", 8, tokens, ridge=STEP_RIDGE) == "ragged_all_to_all"
+  assert auto_impl("tpu", 8, tokens, ridge=STEP_RIDGE * (1 + 1e-9)) == "all_to_all"
+  assert auto_impl("tpu", 8, tokens, ridge=None) == "ragged_all_to_all"
+  assert auto_impl("cuda", 8, tokens, ridge=1e9) == "all_to_all"
+  assert auto_impl("cuda", 8, tokens, ridge=1.0) == "ragged_all_to_all"
+  assert auto_impl("cpu", 8, tokens, ridge=1.0) == "all_to_all"
+  assert auto_impl("tpu", 1, tokens, ridge=1e9) == "ragged_dot"
+  times = {"all_to_all": 2e-4, "ragged_all_to_all": 1e-4}
+  assert auto_impl("tpu", 8, 64, decode_times=times, ridge=1e9) == "ragged_all_to_all"
+
+
+@pytest.mark.parametrize(
+  "topology, ridge, want",
+  [
+    ("v5e:2x4", 197 / 0.819, "ragged_all_to_all"),
+    ("v5p:2x2x2", 459 / 2.765, "ragged_all_to_all"),
+    ("v6e:2x4", 918 / 1.638, "all_to_all"),
+    ("tpu7x:2x2x1", 2307 / 7.38, "all_to_all"),
+  ],
+)
+def test_choose_impl_past_decode_by_the_chips_ridge(topology, ridge, want):
+  """`choose_impl` reads the ridge from the mesh's chips' published peaks, past decode
+  sizes only; on a placement the ragged dispatch whatever the chip."""
+  pytest.importorskip("libtpu")
+  from bench.reading import tpu
+  from moe_shard.exchange_rule import chip_ridge
+
+  devices = np.array(tpu.devices(topology)).reshape(8, 1)
+  tpu_mesh = jax.sharding.Mesh(devices, (ms.EXPERT, ms.DATA))
+  cfg = ms.MoEConfig(d_model=2048, d_ff=4096, num_experts=64, top_k=2)
+  assert chip_ridge(tpu_mesh, ms.EXPERT) == pytest.approx(ridge, rel=1e-9)
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=4096) == want
+  assert ms.choose_impl(cfg, tpu_mesh) == want  # tokens not known: the rule for many
+  assert ms.choose_impl(cfg, tpu_mesh, tokens=4096, replicated=True) == "ragged_all_to_all"
+  assert chip_ridge(mesh("8x1-auto"), ms.EXPERT) is None  # CPU: no published figures
+
+
 def test_auto_rule_takes_the_smaller_decode_estimate():
-  from moe_shard.dispatch import auto_impl
+  from moe_shard.exchange_rule import auto_impl
 
   times = {"all_to_all": 1e-4, "ragged_all_to_all": 1e-4}
   assert auto_impl("tpu", 8, 8, decode_times=times) == "all_to_all"  # a tie: fewer collectives
@@ -509,7 +555,7 @@ def test_decode_rule_at_and_past_its_threshold(D, want):
   4 us * 819 GB/s, D = 457."""
   pytest.importorskip("libtpu")
   from bench.reading import tpu
-  from moe_shard.dispatch import ROW_PASSES, decode_estimates
+  from moe_shard.exchange_rule import ROW_PASSES, decode_estimates
 
   assert ROW_PASSES == 16
   devices = np.array(tpu.devices("v5e:2x4")).reshape(8, 1)
@@ -527,7 +573,7 @@ def test_decode_rule_at_and_past_its_threshold(D, want):
 
 def test_decode_rule_is_priced_on_chips_with_published_figures_only():
   cfg = ms.MoEConfig(d_model=512, d_ff=128, num_experts=128, top_k=8)
-  from moe_shard.dispatch import decode_estimates
+  from moe_shard.exchange_rule import decode_estimates
 
   assert decode_estimates(cfg, mesh("8x1-auto"), 8) is None  # CPU: no figures
   assert ms.choose_impl(cfg, mesh("8x1-auto"), tokens=8) == "all_to_all"
@@ -614,7 +660,9 @@ def test_auto_names_gpus_as_platform_dependent_does(platform, version, want):
   device = types.SimpleNamespace(
     platform=platform, client=types.SimpleNamespace(platform_version=version)
   )
-  stand_in = types.SimpleNamespace(shape={ms.EXPERT: 4}, devices=np.array([device] * 4))
+  stand_in = types.SimpleNamespace(
+    shape={ms.EXPERT: 4}, axis_names=(ms.EXPERT,), devices=np.array([device] * 4)
+  )
   cfg = ms.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2)
   assert ms.choose_impl(cfg, stand_in) == want
 
