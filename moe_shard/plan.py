@@ -91,12 +91,14 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
   mean + 4 * sqrt(mean), rounded up to a multiple of 8 (T*K/N = 1024: 1152, 9/8 of it;
   256: 320). Under uniform random routing a pair's load has a standard deviation below
   sqrt(mean), and the busiest of the N^2 pairs exceeds the mean by about 2.5 of them, so
-  uniform routing runs one round with little padding. Overflow rounds carry a quarter of
-  C_first, rounded up to a multiple of 8 (so at least 8): a skewed routing costs one extra
-  small round per C_overflow items of excess on the busiest pair, not a doubling of every
-  buffer. (Every round moves rows between [K, T, D] item buffers and the slots, O(T*K*D)
-  bytes whatever its slot count, and runs every grouped matmul again: a round saved is
-  worth more than its slots.)
+  uniform routing runs one round with little padding. Overflow rounds carry C_first too:
+  every round moves rows between [K, T, D] item buffers and the slots, O(T*K*D) bytes
+  whatever its slot count, and re-reads every local expert's weights (in the backward it
+  replays its forward and writes their gradient again), so a round saved is worth more
+  than its slots. Compiled for TPU v6e 2x4 (E=64, T=32768, K=2, fwd+bwd, compile-only
+  estimates, bench/results/tpu_v6e_2x4_skew_exchanges), Zipf s=1.2 takes 3 rounds and 12 ms
+  by XLA's count with overflow rounds of C_first, 9 rounds and 29 ms with rounds of
+  C_first / 4; s=0.6 2 rounds and 7.3 ms, against 5 and 16.
 
   Round 0 never takes more than the most a pair can carry, T*K rounded up to a multiple of
   8, and takes exactly that when the receive buffer it gives, N times it, is at most
@@ -123,7 +125,7 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
     first = padded_load(math.ceil(tokens * k / num_devices))
     if num_devices * most <= DECODE_ROWS or first > most:
       first = most
-    return Chunks(first, max(8, 8 * math.ceil(first / 4 / 8)))
+    return Chunks(first, first)
   return Chunks(*chunk_size)
 
 

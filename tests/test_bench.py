@@ -105,7 +105,7 @@ def independent_rounds(experts_TK, E, mesh_shape, K, chunk_size=None):
   if chunk_size is None:
     mean = math.ceil(t_dev * K / N)
     c_first = max(8, 8 * math.ceil((mean + math.ceil(4 * math.sqrt(mean))) / 8))
-    c_overflow = max(8, 8 * math.ceil(c_first / 4 / 8))
+    c_overflow = c_first
   else:
     c_first = c_overflow = chunk_size
   return 1 + math.ceil(max(0, busiest - c_first) / c_overflow)

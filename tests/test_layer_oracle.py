@@ -253,10 +253,10 @@ def expected_rounds(experts_TK, cfg, mesh):
     for n in range(N)
   )
   chunk = cfg.chunk_size
-  if chunk is None:  # the mean queue T_dev*K/N + 4 sqrt of it, up to 8s; a quarter of it
+  if chunk is None:  # the mean queue T_dev*K/N + 4 sqrt of it, up to 8s; overflow as many
     mean = math.ceil(ids_SI.shape[1] / N)
     first = max(8, 8 * math.ceil((mean + math.ceil(4 * math.sqrt(mean))) / 8))
-    overflow = max(8, 8 * math.ceil(first / 4 / 8))
+    overflow = first
   else:
     first, overflow = (chunk, chunk) if isinstance(chunk, int) else chunk
   return 1 + math.ceil(max(0, busiest - first) / overflow)

@@ -169,14 +169,14 @@ def expected_chunks(tokens_per_device, K, N, chunk_size):
   """(C_first, C_overflow) by the documented rule, computed independently of `plan`."""
   if chunk_size is None:
     # The mean (source, destination) load T*K/N plus 4 * sqrt of it, rounded up to a
-    # multiple of 8 (at least 8); overflow rounds a quarter of that, also a multiple of 8.
+    # multiple of 8 (at least 8); overflow rounds as many.
     mean = math.ceil(tokens_per_device * K / N)
     first = max(8, 8 * math.ceil((mean + math.ceil(4 * math.sqrt(mean))) / 8))
     # Never more than the most a pair can carry, T*K rounded up to 8, and that whenever the
     # N buffers of it hold at most 128 rows (plan.DECODE_ROWS): one round, any routing.
     most = max(8, 8 * math.ceil(tokens_per_device * K / 8))
     first = most if N * most <= 128 or first > most else first
-    return first, max(8, 8 * math.ceil(first / 32))
+    return first, first
   if isinstance(chunk_size, int):
     return chunk_size, chunk_size
   return tuple(chunk_size)

@@ -33,30 +33,29 @@ from moe_shard.plan import (
   "tokens, k, n, want",
   [
     # C_first = mean + ceil(4 * sqrt(mean)), mean = ceil(T * K / N), rounded up to a
-    # multiple of 8, at least 8; C_overflow = C_first / 4 rounded up to a multiple of 8,
-    # at least 8.
-    # mean = ceil(5 * 2 / 4) = 3 -> 3 + 7 = 10 -> 16; overflow 16 / 4 = 4 -> 8.
-    (5, 2, 4, Chunks(16, 8)),
-    # mean = 64 -> 64 + 32 = 96 (a multiple of 8); overflow = 96 / 4 = 24.
-    (64, 2, 2, Chunks(96, 24)),
-    # mean = ceil(100 / 3) = 34 -> 34 + 24 = 58 -> 64; overflow = 64 / 4 = 16.
-    (100, 1, 3, Chunks(64, 16)),
+    # multiple of 8, at least 8; C_overflow = C_first.
+    # mean = ceil(5 * 2 / 4) = 3 -> 3 + 7 = 10 -> 16.
+    (5, 2, 4, Chunks(16, 16)),
+    # mean = 64 -> 64 + 32 = 96 (a multiple of 8).
+    (64, 2, 2, Chunks(96, 96)),
+    # mean = ceil(100 / 3) = 34 -> 34 + 24 = 58 -> 64.
+    (100, 1, 3, Chunks(64, 64)),
     # One device on the expert axis: mean = 40 * 2 = 80 -> 80 + 36 = 116 -> 120, more
-    # than the 80 a pair can carry: 80, and N * 80 <= 128; overflow 80 / 4 = 20 -> 24.
-    (40, 2, 1, Chunks(80, 24)),
-    # mean = 20 -> 20 + 18 = 38 -> 40 > the most, 20 -> 24; overflow 24 / 4 = 6 -> 8.
-    (10, 2, 1, Chunks(24, 8)),
+    # than the 80 a pair can carry: 80, and N * 80 <= 128.
+    (40, 2, 1, Chunks(80, 80)),
+    # mean = 20 -> 20 + 18 = 38 -> 40 > the most, 20 -> 24.
+    (10, 2, 1, Chunks(24, 24)),
     # Decode, 8 tokens per device, K=2, N=8: the margin gives mean 2 -> 2 + 6 -> 8, but the
     # most a pair carries is 16 and 8 * 16 = 128 rows <= DECODE_ROWS: 16, one round always.
-    (8, 2, 8, Chunks(16, 8)),
-    # 64 tokens: 8 * 128 rows > 128: the margin, mean 16 -> 16 + 16 = 32; overflow 8.
-    (64, 2, 8, Chunks(32, 8)),
+    (8, 2, 8, Chunks(16, 16)),
+    # 64 tokens: 8 * 128 rows > 128: the margin, mean 16 -> 16 + 16 = 32.
+    (64, 2, 8, Chunks(32, 32)),
     # K=8 (Qwen3, DeepSeek-V3), 8 tokens: mean 8 -> 8 + 12 = 20 -> 24 < the most, 64.
-    (8, 8, 8, Chunks(24, 8)),
-    # The bench's CPU layer: mean = 1024 * 2 / 8 = 256 -> 256 + 64 = 320; overflow 80.
-    (1024, 2, 8, Chunks(320, 80)),
-    # The bench's TPU layer: mean = 4096 * 2 / 8 = 1024 -> 1024 + 128 = 1152; overflow 288.
-    (4096, 2, 8, Chunks(1152, 288)),
+    (8, 8, 8, Chunks(24, 24)),
+    # The bench's CPU layer: mean = 1024 * 2 / 8 = 256 -> 256 + 64 = 320.
+    (1024, 2, 8, Chunks(320, 320)),
+    # The bench's TPU layer: mean = 4096 * 2 / 8 = 1024 -> 1024 + 128 = 1152.
+    (4096, 2, 8, Chunks(1152, 1152)),
     # Tiny or empty: the floor of 8 slots.
     (1, 1, 8, Chunks(8, 8)),
     (0, 2, 4, Chunks(8, 8)),

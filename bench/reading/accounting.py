@@ -131,15 +131,15 @@ def _padded_load(mean):
 def a2a_chunks(tokens_per_device, k, num_devices, chunk_size=None):
   """(C_first, C_overflow) of the all_to_all dispatch, written out from its documented rule
   (`moe_all_to_all`): C_first = the expected (source, destination) load T_dev*K/N plus
-  4 * sqrt of it, rounded up to a multiple of 8 (at least 8), C_overflow = C_first / 4
-  rounded up to a multiple of 8; C_first at most the most a pair can carry, T_dev*K rounded
+  4 * sqrt of it, rounded up to a multiple of 8 (at least 8), C_overflow = C_first;
+  C_first at most the most a pair can carry, T_dev*K rounded
   up to a multiple of 8, and that when N of it is at most 128 rows (`plan.DECODE_ROWS`)."""
   if chunk_size is not None:
     return (chunk_size, chunk_size) if isinstance(chunk_size, int) else tuple(chunk_size)
   first = _padded_load(math.ceil(tokens_per_device * k / num_devices))
   most = max(8, 8 * math.ceil(tokens_per_device * k / 8))
   first = most if num_devices * most <= 128 or first > most else first
-  return first, max(8, 8 * math.ceil(first / 4 / 8))
+  return first, first
 
 
 def a2a_rounds(busiest_queue, chunks):

@@ -113,9 +113,8 @@ def moe_all_to_all(
       tuple of names: experts split over the product of their sizes, in the order given.
     chunk_size: None (default): C_first = the expected (source, destination) load
       T_dev*K/N plus 4 * sqrt of it (4 standard deviations of uniform random routing),
-      rounded up to a multiple of 8, and C_overflow = C_first/4 rounded up to a multiple of
-      8, so uniform routing takes one round (at T_dev*K/N = 1024, 12.5% padding) and skew
-      costs small extra rounds; C_first at most T_dev*K, the most a pair can carry, and
+      rounded up to a multiple of 8, and C_overflow = C_first, so uniform routing takes one
+      round (at T_dev*K/N = 1024, 12.5% padding) and skew few extra ones; C_first at most T_dev*K, the most a pair can carry, and
       that when N of it is at most `plan.DECODE_ROWS` rows (one round whatever the
       routing) (`plan.default_chunks`). An int C uses C for every round; a pair
       (C_first, C_overflow) sets both.
