@@ -1,10 +1,11 @@
-"""Published figures of the chips the decode rule prices: HBM bandwidth, peak FLOP/s, and the
+"""Published figures of the chips `impl="auto"` prices: HBM bandwidth, peak FLOP/s, and the
 latency of a collective over the chips' interconnect.
 
-`impl="auto"` at decode sizes compares the dispatches' estimated times
-(`exchange_rule.decode_estimates`); the benchmark's roofline adds the same latency per collective
-(`bench.reading.tpu.estimates`). A chip not listed here has no estimate: "auto" keeps its rule for
-unpriced chips there.
+At decode sizes "auto" compares the dispatches' estimated times
+(`exchange_rule.decode_estimates`), past them it reads the chip's ridge point, FLOP/s over
+HBM bytes/s (`exchange_rule.chip_ridge`); the benchmark's roofline adds the same latency per
+collective (`bench.reading.tpu.estimates`). A chip not listed here has no estimate: "auto"
+keeps its rule for unpriced chips there.
 
     latency of one collective = ICI_HOP_S * hops(devices)
 

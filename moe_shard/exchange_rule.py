@@ -28,7 +28,7 @@ from jax.sharding import AbstractMesh, Mesh
 from moe_shard import _checks, chips, parallel, plan, quant
 from moe_shard.sharding import axis_size
 
-if TYPE_CHECKING:  # config.py imports dispatch.py, which this module does not need
+if TYPE_CHECKING:  # annotations only
   from moe_shard.config import MoEConfig
   from moe_shard.dispatch import DispatchFn
 
