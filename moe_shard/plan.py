@@ -95,10 +95,8 @@ def default_chunks(tokens, k, num_devices, chunk_size=None):
   every round moves rows between [K, T, D] item buffers and the slots, O(T*K*D) bytes
   whatever its slot count, and re-reads every local expert's weights (in the backward it
   replays its forward and writes their gradient again), so a round saved is worth more
-  than its slots. Compiled for TPU v6e 2x4 (E=64, T=32768, K=2, fwd+bwd, compile-only
-  estimates, bench/results/tpu_v6e_2x4_skew_exchanges), Zipf s=1.2 takes 3 rounds and 12 ms
-  by XLA's count with overflow rounds of C_first, 9 rounds and 29 ms with rounds of
-  C_first / 4; s=0.6 2 rounds and 7.3 ms, against 5 and 16.
+  than its slots: under Zipf skew few large rounds beat many small ones
+  (bench/results/tpu_v6e_2x4_skew_exchanges against ..._quarter_rounds).
 
   Round 0 never takes more than the most a pair can carry, T*K rounded up to a multiple of
   8, and takes exactly that when the receive buffer it gives, N times it, is at most

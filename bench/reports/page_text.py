@@ -31,6 +31,13 @@ SECTIONS = {
   "tpu_v6e_2x4_skew": "Replicated experts under Zipf routing, compiled for TPU v6e 2x4",
   "tpu_v5e_2x4_skew_decode": "Replicated experts at decode (Qwen3-30B-A3B), TPU v5e 2x4",
   "tpu_tpu7x_2x2x1_step": "The layer's training step compiled for TPU7x (Ironwood) 2x2x1",
+  "tpu_v5p_2x2x2_step": "The layer's training step compiled for TPU v5p 2x2x2",
+  "tpu_v6e_2x4_skew_exchanges": "Both exchanges under Zipf routing without a placement, TPU v6e 2x4",
+  "tpu_v6e_2x4_skew_exchanges_quarter_rounds": (
+    "Both exchanges under Zipf routing, all_to_all's overflow rounds a quarter of round 0, v6e"
+  ),
+  "tpu_tpu7x_2x2x1_skew": "Replicated experts under Zipf routing, compiled for TPU7x 2x2x1",
+  "tpu_tpu7x_2x2x1_decode": "Decode: Qwen3-30B-A3B's layer, both exchanges, TPU7x 2x2x1",
   "tpu_v5e_ragged": "ragged_all_to_all against all_to_all, v5e 2x4, its first version",
   "tpu_v5e_2x4": "Every implementation compiled for TPU v5e 2x4, an earlier tree",
   "tpu_v6e_2x4": "The layer at E=64 compiled for TPU v6e 2x4, an earlier tree",
@@ -44,6 +51,9 @@ SECTIONS = {
     "A Mixtral-8x22B-like layer on TPU v5p 4x4x4: EP8 x expert tensor parallelism 8"
   ),
   "tpu_v5p_4x4x4_mixtral_fsdp8": "A Mixtral-8x22B-like layer on TPU v5p 4x4x4: EP8 x FSDP8",
+  "tpu_v5p_4x4x4_mixtral_fsdp8_step": (
+    "A Mixtral-8x22B-like training step on TPU v5p 4x4x4, EP8 x FSDP8: both exchanges"
+  ),
   "tpu_v5p_4x4x4_mixtral_replicated": (
     "A Mixtral-8x22B-like layer on TPU v5p 4x4x4: EP8, experts replicated over data"
   ),
@@ -164,6 +174,12 @@ NOTES = {
     "`ragged_all_to_all` on "
     "the 1x1 mesh takes the local path (no exchange)."
   ),
+  "tpu_v6e_2x4_skew_exchanges_quarter_rounds": (
+    "Compiled at commits ed04f6b (s=1.2) and 7dd209b (s=0.6; the same library code), where "
+    "all_to_all's overflow rounds carried C_first / 4 slots "
+    "per pair (288 here), against C_first (1152) since: the all_to_all rows ran 9 and 5 "
+    "rounds (3 and 2 since); the ragged dispatch's rows are as in `tpu_v6e_2x4_skew_exchanges`."
+  ),
   "tpu_v5e_ragged": (
     "The first version of the ragged dispatch: overflow rounds as large as round 0 and "
     "XLA's byte count with each loop body once."
@@ -177,6 +193,7 @@ NOTES = {
     (
       "tpu_v5p_4x4x4_mixtral_etp8",
       "tpu_v5p_4x4x4_mixtral_fsdp8",
+      "tpu_v5p_4x4x4_mixtral_fsdp8_step",
       "tpu_v5p_4x4x4_mixtral_replicated",
       "tpu_v5p_8x8x4_deepseek_ep256",
       "tpu_v5p_8x8x4_deepseek_ep64",
