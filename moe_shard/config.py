@@ -83,8 +83,8 @@ class MoEConfig:
       function `(logits_TE, cfg, *, bias_E=None) -> Routing` (docs/guides/routers.md).
     impl: the dispatch: a name of `dispatch.DISPATCHES` ("masked_scan", "ragged_dot",
       "all_gather", "all_to_all", "ragged_all_to_all"), "auto" (default; with a mesh whose
-      expert axis has more than one device, "ragged_all_to_all" on TPU and GPU devices and
-      "all_to_all" on CPU; "ragged_dot" otherwise), or a function
+      expert axis has more than one device, the exchange `choose_impl` picks for the chip
+      and the tokens per device, "all_to_all" on CPU; "ragged_dot" otherwise), or a function
       `(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg) -> (y_TD, stats)`.
     capacity_factor: None (default) for dropless routing; a real c > 0 caps each expert at
       `ceil(c * T * K / E)` (token, slot) items per call, T the tokens of the call. Items

@@ -171,8 +171,7 @@ def decode_estimates(
     expert axis has one device.
   """
   n = axis_size(mesh, cfg.expert_axis)
-  devices = _expert_group(mesh, cfg.expert_axis)
-  spec = chips.chip(getattr(devices[0], "device_kind", None)) if devices else None
+  devices, spec = _group_chip(mesh, cfg.expert_axis)
   latency = chips.collective_latency_s(devices) if spec is not None else None
   if spec is None or latency is None or n <= 1:
     return None
@@ -217,8 +216,8 @@ def choose_impl(
     replicated: the call runs on a placement (default False). Its replicas even out each
       device's rows, which set the ragged dispatch's rounds, but not the (source,
       destination) pairs that set all_to_all's: a device's own replicas take its items.
-      So where XLA has ragged-all-to-all (TPU, GPU) "auto" takes "ragged_all_to_all" at
-      decode sizes too (docs/guides/skew.md).
+      So where XLA has ragged-all-to-all (TPU, GPU) "auto" takes "ragged_all_to_all"
+      whatever the tokens and the chip (docs/guides/skew.md).
 
   Returns:
     `cfg.impl` unless it is "auto" (a name of `DISPATCHES`, or the user's function); for
@@ -279,9 +278,14 @@ def chip_ridge(mesh: Mesh | AbstractMesh, expert_axis: str | tuple[str, ...]) ->
   """The ridge point of the mesh's chips: peak FLOP/s over HBM bytes/s (`chips.CHIPS`),
   the FLOPs per byte above which a program is bound by its FLOPs; None where their kind has
   no published figures (CPU, GPUs, an `AbstractMesh`)."""
-  devices = _expert_group(mesh, expert_axis)
-  spec = chips.chip(getattr(devices[0], "device_kind", None)) if devices else None
+  _, spec = _group_chip(mesh, expert_axis)
   return None if spec is None else spec.flops / spec.hbm
+
+
+def _group_chip(mesh, expert_axis):
+  """(`_expert_group`'s devices, their `chips.Chip` or None)."""
+  devices = _expert_group(mesh, expert_axis)
+  return devices, chips.chip(getattr(devices[0], "device_kind", None)) if devices else None
 
 
 def _expert_group(mesh, expert_axis):

@@ -108,8 +108,7 @@ def moe_layer(
       `AbstractMesh`) with `cfg.expert_axis`, whose size must divide E. None (default): the
       mesh in scope (`jax.set_mesh(mesh)`) when it has the expert axis, else no mesh.
       Required by the expert-parallel implementations; when the expert axis has more than
-      one device "auto" picks "all_to_all" at up to 64 tokens per device, else
-      "ragged_all_to_all" on TPU and GPU devices and "all_to_all" elsewhere
+      one device "auto" picks the exchange for the chip and the tokens per device
       (`choose_impl`). The local implementations ("masked_scan",
       "ragged_dot") do not split experts: XLA shards them as it likes.
     placement: None (default), a one-layer `Placement` of the E experts over S slots

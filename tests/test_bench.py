@@ -90,8 +90,7 @@ def independent_rounds(experts_TK, E, mesh_shape, K, chunk_size=None):
   Tokens are split in order over the devices (block d on the d-th device, mesh order);
   device d sends each item to expert-axis position expert // (E / N). With T_dev tokens
   per device and mean = ceil(T_dev * K / N): C_first = max(8, 8 * ceil((mean +
-  ceil(4 * sqrt(mean))) / 8)) and C_overflow =
-  max(8, 8 * ceil(C_first / 4 / 8)) (an int chunk_size sets both), and
+  ceil(4 * sqrt(mean))) / 8)) and C_overflow = C_first (an int chunk_size sets both), and
   rounds = 1 + ceil(max(0, busiest (source, destination) queue - C_first) / C_overflow).
   """
   N, devices = mesh_shape[0], mesh_shape[0] * mesh_shape[1]

@@ -86,8 +86,8 @@ _BY_DISPATCH = {
 
 BENCH_IMPLS = {
   # The library's default: what `MoEConfig(impl="auto")` picks on the case's mesh
-  # (`ms.choose_impl`; one device: "ragged_dot", at most 64 tokens per device: "all_to_all",
-  # else TPU and GPU meshes: "ragged_all_to_all").
+  # (`ms.choose_impl`: one device "ragged_dot", else the exchange for the chip and the
+  # tokens per device).
   "auto": Impl("auto", _auto_accounting),
   "all_to_all": Impl("all_to_all", accounting.all_to_all),
   # On CPU (no ragged-all-to-all in XLA) this runs the emulation: padded all_to_alls.
