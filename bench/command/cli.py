@@ -22,20 +22,19 @@ expert weights over "expert"); see `bench/cases/programs.py`. On a CPU-only mach
   Timed on CPU with glibc's malloc set to reuse freed memory (`bench/command/malloc.py`; XLA:CPU
     allocates a program's temporaries on each call, and fresh pages fault on first touch);
     --system-malloc keeps glibc's defaults. The results file records which.
-  --tpu only: roofline = max(compute, HBM, ICI) per device, from executed FLOPs, HBM bytes
-    and bytes sent over the chip's peaks; HBM GB: XLA's "bytes accessed" as XLA counts it
-    (loop bodies once) / with loop bodies times their trip counts (`bench/reading/hbm.py`), the
-    second being the one the roofline uses. The collectives' latency (`latency_s`): the
+  --tpu only: estimate = the one count (`bench/reading/estimate.py`): the sum over the
+    program's ops (loop bodies times their trip counts) of each op's larger of FLOPs over
+    peak and HBM bytes over bandwidth, plus the ICI time the compiled schedule leaves
+    exposed (`bench/reading/schedule.py`: a synchronous collective covers nothing; an async
+    one is covered by the ops scheduled between its start and done). HBM bytes: the one
+    model (`bench/reading/hbm.py`: in-place updates by their slice, VMEM prefetches once,
+    grouped matmuls at the tiles their grids visit under the case's routing); XLA's
+    "bytes accessed" (loop bodies once) beside it for reference. lower bound =
+    max(compute, HBM, ICI) by the same counts. The collectives' latency (`latency_s`): the
     longest chain of collectives that wait on each other (`dependent_collectives`) times a
     published fixed cost per collective (1 us per ICI hop between the slice's farthest
-    chips, `moe_shard.chips`), which the rooflines leave out. ICI exposed: the part of the
-    ICI time that the compiled schedule leaves uncovered (`bench/reading/schedule.py`: a
-    synchronous collective covers nothing; an async one is covered by the ops scheduled
-    between its start and done), which the roofline assumes hidden.
-  bound ms (roofline/bound, the roofline less VMEM prefetches over it, that plus the
-    latency over it; then, after a semicolon, that with the grouped matmuls' weights
-    counted for the groups their grids visit, which XLA counts in full
-    (`roofline_expected_s`); or time/bound): `bench/reading/bound.py`, per device, the larger of the
+    chips, `moe_shard.chips`), which the estimate leaves out.
+  bound ms (estimate/bound, that plus the latency over it; or time/bound): `bench/reading/bound.py`, per device, the larger of the
     bytes read and written at the least (the parameters as stored, the routed experts' only
     for those the routing is expected to touch, and the activations) over HBM bandwidth and
     the routed FLOPs over peak, where the chip's peaks are cited (TPU); rows elsewhere carry

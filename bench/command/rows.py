@@ -1,36 +1,31 @@
 """What a run's rows carry besides the program's own counts: the parameters' bytes as held,
-a model's training state, seconds and efficiency, the roofline counted for the groups a
-kernel visits, errors against the NumPy reference, and the host memory a program needs."""
+a model's training state, seconds and efficiency, the groups a kernel visits, errors against the NumPy reference, and the host memory a program needs."""
 
 from __future__ import annotations
 
 import os
 
 
-def expected_roofline(row, case, compiled, trips, topology):
-  """The roofline less VMEM prefetches with the grouped-matmul kernels' weights counted for
-  the groups their grids visit (`hbm.grouped_kernels`): every local expert the host routing
-  sends a row to on the device that touches the most (`bound.touched_on_busiest`). XLA
-  counts every group's matrix, as each kernel declares; the grid never fetches an empty
-  group's. {} without the count less VMEM prefetches or a local-expert kernel."""
-  from bench.reading import bound, hbm, tpu
+def visited_groups(case):
+  """{L: the rows each local expert holds on the device the routing loads most}: the
+  grouped-matmul kernels' expected group sizes (`bench.reading.hbm.op_bytes`), from the
+  case's routing on the host (uniform, Zipf), which the compiled program only learns at run
+  time. None with a placement (its slots, not the experts, are the kernels' groups).
+
+  The kernels of every round take these sizes: a round past the first visits at most its
+  buffer, so a skewed row's later rounds count at most their whole buffer."""
+  import numpy as np
+
   from moe_shard import EXPERT
 
-  peak = tpu.PEAKS.get(tpu.generation(topology))
-  if "hbm_bytes_no_prefetch" not in row or peak is None or case.level != "layer":
-    return {}
-  L = case.E // case.mesh.shape[EXPERT]
-  visited = bound.touched_on_busiest(case.experts_TK, case.E, case.mesh.shape[EXPERT])
-  skipped = sum(
-    k["runs"] * k["weight_bytes"] * (1 - visited / L)
-    for k in hbm.grouped_kernels(compiled, trips)
-    if k["groups"] == L
-  )
-  expected = row["hbm_bytes_no_prefetch"] - skipped
-  return dict(
-    hbm_bytes_expected=expected,
-    roofline_expected_s=max(row["compute_s"], expected / peak["hbm"], row["ici_s"]),
-  )
+  if case.placement is not None or EXPERT not in case.mesh.shape:
+    return None
+  N = case.mesh.shape[EXPERT]
+  L = case.E // N
+  e = np.asarray(case.experts_TK).ravel()
+  counts = np.bincount(e[(e >= 0) & (e < case.E)], minlength=case.E).reshape(N, L)
+  busiest = counts[int(np.argmax(counts.sum(axis=1)))]
+  return {L: [int(c) for c in busiest]}
 
 
 def param_bytes(params):
@@ -89,10 +84,10 @@ def model_state_bytes(stored, layers):
 
 
 def seconds(row):
-  """A row's time: the median wall time, or for a TPU compile the roofline estimate."""
+  """A row's time: the median wall time, or for a TPU compile the one count (`estimate_s`)."""
   if "time_s" in row:
     return row["time_s"]["median"]
-  return row.get("roofline_s")
+  return row.get("estimate_s")
 
 
 def efficiency(rows):

@@ -355,23 +355,15 @@ def _run_format(s, a, case, impls, mesh_name, tpu_topology, bar, case_rows, time
         if s.get("model_layers"):
           row["model_state_bytes"] = row_facts.model_state_bytes(held_params, s["model_layers"])
       if tpu_topology:
-        from bench.reading import hbm, schedule
+        from bench.reading import hbm
 
         chain = row_facts.counted(measure.dependent_collectives, compiled, trips[0])
+        groups = row_facts.visited_groups(case)
         row.update(
-          tpu.estimates(
-            compiled,
-            busiest,
-            wire,
-            tpu_topology,
-            hbm.executed_bytes(compiled, busiest_trips),
-            dependent=chain,
-          )
+          tpu.estimates(compiled, tpu_topology, busiest_trips, wire, dependent=chain, groups=groups)
         )
-        row.update(row_facts.expected_roofline(row, case, compiled, busiest_trips, tpu_topology))
-        row.update(schedule.exposed_row(compiled, row, tpu_topology, busiest_trips))
         if a.hbm_table:
-          row["hbm_table"] = hbm.table(compiled, busiest_trips, top=a.hbm_table)
+          row["hbm_table"] = hbm.table(compiled, busiest_trips, top=a.hbm_table, groups=groups)
         bar.step(f"estimated {level} E={E} {routing} {impl} {mode}")
       else:
         timed.append((compiled, args, row))

@@ -7,7 +7,7 @@ compiles `maxtext.layers.moe.RoutedMoE` (MaxText 0.2.5) on the case of `python -
 v5e:2x4 -E 8,64 --levels layer --modes fwd,fwd_bwd` (T=32768 tokens in all, D=2048, F=4096,
 K=2, bfloat16, SwiGLU experts, softmax top-k router, all chips on expert parallelism) and
 measures each program with the benchmark's own functions (`bench.reading.measure.executed_flops` and
-`collective_bytes`, `bench.reading.hbm.executed_bytes`, `bench.reading.tpu.estimates`), so its rows read
+`collective_bytes`, `bench.reading.tpu.estimates`: the one count), so its rows read
 like the benchmark's. The same command compiles the benchmark's dense limit
 (`bench.cases.baselines.dense_limit`) on the same topology and sets each row's efficiency from it.
 
@@ -27,9 +27,11 @@ The MaxText paths (`PATHS`; each a set of MaxText config fields):
     1.25 times the balanced load; items past it are dropped.
 
 megablox's kernels declare their FLOPs and bytes over their whole row buffer, whatever the
-group sizes (`bench.reading.measure.custom_call_flops`): with the worst-case buffer, min(N, E / K)
-times the balanced load (4x at E=8, 8x at E=64 on 8 chips), an upper bound on what they
-visit.
+group sizes: with the worst-case buffer, min(N, E / K) times the balanced load (4x at E=8,
+8x at E=64 on 8 chips). The rows count what their grids visit instead, as the benchmark's
+own kernels (`bench.reading.hbm`): the row tiles of the groups the case's uniform routing
+fills on the busiest chip (`bench.command.rows.visited_groups`) and the matrices of the
+non-empty groups.
 
 Every path also sets: `num_experts=E, num_experts_per_tok=K, base_emb_dim=D,
 base_mlp_dim=base_moe_mlp_dim=F, dtype=weight_dtype=bfloat16, float32_gate_logits=True,
@@ -139,11 +141,10 @@ def measure(compiled, base, case, topology, hbm_top=0):
     rounds=None,
     **({"loop_counted_once": True} if approx else {}),
   )
-  row.update(
-    tpu.estimates(compiled, busiest, wire, topology, hbm.executed_bytes(compiled, busiest_trips))
-  )
+  groups = row_facts.visited_groups(case)  # megablox's groups: the local experts
+  row.update(tpu.estimates(compiled, topology, busiest_trips, wire, groups=groups))
   if hbm_top:
-    row["hbm_table"] = hbm.table(compiled, busiest_trips, top=hbm_top)
+    row["hbm_table"] = hbm.table(compiled, busiest_trips, top=hbm_top, groups=groups)
   return row
 
 
@@ -253,7 +254,7 @@ def main(argv=None):
           row.update(param_bytes=stored["bytes"], param_elems=stored["elems"])
         case_rows.append(row)
         print(
-          f"{name} E={E} {mode}: roofline {row.get('roofline_s', 0) * 1e3:.2f} ms, "
+          f"{name} E={E} {mode}: estimate {row.get('estimate_s', 0) * 1e3:.2f} ms, "
           f"compiled in {seconds:.0f} s",
           flush=True,
         )

@@ -1,35 +1,41 @@
-"""Where a compiled program's HBM traffic goes: a table of ops by bytes accessed.
+"""Where a compiled program's HBM traffic goes: the one count of HBM bytes, op by op.
 
 For each instruction that runs as its own kernel (in the entry computation, a while body or
-condition, or a called computation; not the instructions inside a fusion), the bytes it
-reads (its operands) and writes (its result), times the number of times its computation
-runs (loop bodies scaled by their trip counts, as `measure.executed_flops` does). Ops that
-move no data (parameters, tuples, bitcasts, the control flow itself) count zero; an async
-copy or slice counts once, at its `-done`, as the data it moves read and written. This is
-the model behind XLA's "bytes accessed" (`cost_analysis()`), written out per op so that the
-big ones can be named; XLA's own total is reported beside it. A Pallas TPU kernel
-(`tpu_custom_call`, e.g. megablox's) counts the bytes it declares in its cost estimate, as
-XLA does. An in-place update (a dynamic-update-slice into a loop carry) is counted whole
-here, so the model over-counts such ops: read their rows as an upper bound.
+condition, or a called computation; not the instructions inside a fusion), the HBM bytes it
+reads (its operands) and writes (its result) per run, times the number of times its
+computation runs (loop bodies scaled by their trip counts, `HloModule.executions`). The
+same rules serve every TPU row, the project's and the peers' (`bench/peers`):
 
-Executed bytes (`executed_bytes`). XLA's cost analysis visits every computation once, so a
-`while_loop` body counts once whatever its trip count: once too few for a loop that runs
-twice, once too many for one that never runs (the dispatches' overflow rounds under even
-routing). The same rule as `measure.executed_flops` corrects it, with this module's bytes
-for the body:
+  * ops that move no data (parameters, tuples, bitcasts, the control flow itself) count
+    zero; an async copy or slice counts once, at its `-done`;
+  * an update that runs in place (a dynamic-update-slice or scatter whose output shares its
+    operand's buffer: a loop carry, a donated argument, a fusion whose root is the update;
+    decided from the module's structure, `bench.reading.inplace`) counts the slice it reads
+    and writes, not the whole buffer; a real `copy` counts whole;
+  * bytes in VMEM are not HBM's. XLA's memory-space assignment prefetches operands into
+    VMEM (`copy-start`/`copy-done` whose result is in memory space `S(1)`): the prefetch
+    counts once, as the HBM bytes it reads; the op that reads the prefetched copy reads
+    VMEM; an eviction out of VMEM counts the HBM bytes it writes. Each op's `vmem` is the
+    part of its bytes in VMEM (what it writes to, or reads from, a value of memory space
+    `S(1)`), left out of its `hbm`;
+  * a Pallas TPU kernel (`tpu_custom_call`) counts the bytes it declares, except a grouped
+    matmul's (megablox's `gmm` and `tgmm`, `kernels.tpu_quant`'s; `grouped_kernels` tells
+    them by their grid metadata), which counts what its grid visits when the rows per group
+    are given (`groups`): its grid (`make_group_metadata`) holds the row tiles of the
+    non-empty groups (megablox's `num_active_tiles`), each group's matrix block fetched once
+    while consecutive tiles of the group ask for it (one contraction tile, as
+    `moe_shard.kernels.tpu_tiling.default_tiling` picks). So the rows of the visited tiles
+    are read and written, the matrices of non-empty groups read, and a `tgmm`'s per-group
+    result written whole (it visits empty groups to zero them); its FLOPs scale with the
+    visited rows. The group sizes are known only at run time: the benchmark passes the
+    expected rows per group of its host routing (uniform, Zipf), from which the visited
+    tiles follow. Without `groups` a kernel counts what it declares (its whole row buffer
+    and a matrix block per possible tile: an upper bound).
 
-    executed = cost_analysis()["bytes accessed"] + sum_ops bytes(op) * (runs(op) - 1)
-
-(only ops in loop bodies have runs != 1).
-
-Bytes in VMEM (`vmem`, and `executed_bytes`'s "no_prefetch"). XLA's memory-space assignment
-prefetches whole operands into VMEM (`copy-start`/`copy-done` whose result is in memory
-space `S(1)`); its "bytes accessed" counts such a copy as bytes read and written, and the op
-that then reads the copy as reading HBM again. At decode, where one weight matrix is the
-step's traffic, that counts the prefetched matrix up to three times. Each op's `vmem` is the
-part of its bytes that is VMEM's: what it writes to, or reads from, a value of memory space
-`S(1)` (an eviction, a copy out of VMEM, reads it there); the second count is XLA's
-executed bytes less every op's `vmem` times its runs.
+The program's HBM bytes are each op's `hbm` times its runs (`step_bytes`): one model on
+both sides, loop bodies included. XLA's own "bytes accessed" (`cost_analysis()`, every
+computation once, prefetches and whole-buffer updates counted as XLA counts them) stays
+beside it as a reference column.
 
     python -m bench --tpu v5e:2x4 --hbm-table 15 ...
 """
@@ -39,7 +45,7 @@ from __future__ import annotations
 import collections
 import re
 
-from bench.reading import hlo_ops, measure
+from bench.reading import hlo, hlo_ops, inplace, measure
 
 _VMEM_RE = re.compile(r"S\(1\)")  # memory space 1 (VMEM) in a layout, e.g. {1,0:T(8,128)S(1)}
 _DECLARED_RE = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"')
@@ -100,15 +106,29 @@ def _kernel_computations(mod):
   return out
 
 
-def op_bytes(compiled_or_text, trip_counts=None):
-  """Per-op HBM bytes of one run: a list of dicts, largest first.
+ROW_TILE = 512  # a grouped kernel's row tile where none is given (megablox's usual tm)
 
-  Each: scope (named-scope path), opcode, name, shape (result type), runs (executions; 0
-  for the ops of a loop that never runs), read and written (bytes per run), total (bytes
-  over the run), vmem (of read + written, the bytes of values in VMEM, per run).
+
+def op_bytes(compiled_or_text, trip_counts=None, groups=None, row_tile=ROW_TILE):
+  """Per-op HBM bytes and FLOPs of one run: a list of dicts, largest first.
+
+  Args:
+    compiled_or_text: a `jax.stages.Compiled`, its HLO text, or an `HloModule`.
+    trip_counts: as in `measure.executed_flops` (loops with no count known run once).
+    groups: {G: expected rows per group (a sequence of G numbers)} for the grouped-matmul
+      kernels of G groups (default None: they count what they declare).
+    row_tile: those kernels' row tile (default `ROW_TILE`).
+
+  Returns:
+    [dict]: scope (named-scope path), opcode, name, computation, shape (result type), runs
+    (executions; 0 for the ops of a loop that never runs), read and written (bytes per run,
+    VMEM's included), vmem (of read + written, the bytes of values in VMEM), hbm (read +
+    written - vmem: the one count per run), flops (per run), inplace (an update counted by
+    its slice), total (hbm times runs).
   """
   mod = measure._module(compiled_or_text)
   runs = mod.executions(trip_counts, default_trip_count=1)
+  flops_of = op_flops(mod)
   rows = []
   for comp in _kernel_computations(mod):
     n = runs.get(comp, 0.0)
@@ -120,7 +140,9 @@ def op_bytes(compiled_or_text, trip_counts=None):
       if ins.opcode.endswith("-start"):
         continue  # an async op's data moves at its -done (its result tuple holds the source)
       declared = _DECLARED_RE.search(ins.attrs) if ins.opcode == "custom-call" else None
-      vmem = 0.0
+      vmem, flops = 0.0, flops_of(ins, types)
+      update = inplace.update_bytes(mod, ins, types)
+      kernel = _grouped(ins, types) if declared else None
       if ins.opcode in ("copy-done", "slice-done"):  # the slice or copy: read, then written
         read = written = measure.shape_bytes(ins.type)
         vmem = written if _VMEM_RE.search(ins.type) else 0.0  # a prefetch into VMEM
@@ -129,9 +151,14 @@ def op_bytes(compiled_or_text, trip_counts=None):
         start = measure._split_top_level(types.get(ins.operands[0], "()")[1:-1])
         if ins.opcode == "copy-done" and len(start) > 1 and _VMEM_RE.search(start[1]):
           vmem += read
+      elif kernel and groups and kernel["groups"] in groups:
+        read, written, share = _visited(kernel, groups[kernel["groups"]], row_tile)
+        flops *= share
       elif declared and 'custom_call_target="tpu_custom_call"' in ins.attrs:
         written = measure.shape_bytes(ins.type)
         read = max(float(declared.group(1)) - written, 0.0)
+      elif update is not None:
+        read, written = update
       else:
         read = sum(measure.shape_bytes(types.get(o, "")) for o in ins.operands)
         written = measure.shape_bytes(ins.type)
@@ -148,22 +175,110 @@ def op_bytes(compiled_or_text, trip_counts=None):
           runs=n,
           read=read,
           written=written,
-          total=n * (read + written),
           vmem=vmem,
+          hbm=read + written - vmem,
+          flops=flops,
+          inplace=update is not None,
+          total=n * (read + written - vmem),
         )
       )
   return sorted(rows, key=lambda r: -r["total"])
 
 
-def grouped_kernels(compiled_or_text, trip_counts=None):
-  """The grouped matmuls' Pallas calls of a program, with what their grids skip.
+def op_flops(mod):
+  """A function (instruction, {name: type} of its computation) -> FLOPs of one run: a dot or
+  convolution, a Pallas kernel's declared cost, or the dots of what a fusion calls."""
+  own = {}
 
-  A grouped-matmul kernel (megablox's `gmm`, `kernels.tpu_quant`'s) takes its grid's
-  metadata first: the number of grid steps (s32[]) and the G + 1 group offsets
-  (s32[G + 1]); its matrices are the operands of rank 3 with G leading (w, or a quantized
-  matrix's values and scales). Its grid (`make_group_metadata(visit_empty_groups=False)`)
-  has no step for an empty group, so the pipeline never fetches that group's blocks; its
-  declared bytes (what XLA counts) hold every group's matrix once.
+  def inside(comp):
+    if comp not in own:
+      own[comp] = mod.dot_flops.get(comp, 0.0) + sum(
+        inside(c) for c, kind in mod.calls.get(comp, ()) if kind == "call"
+      )
+    return own[comp]
+
+  def of(ins, types):
+    if ins.opcode == "fusion":
+      return sum(inside(c) for _, c in hlo._CALLED_RE.findall(ins.attrs))
+    if ins.opcode == "dot":
+      return hlo_ops._dot_flops(ins, types)
+    if ins.opcode == "convolution":
+      return hlo_ops._conv_flops(ins, types)
+    if ins.opcode == "custom-call":
+      return hlo_ops.custom_call_flops(ins.attrs)
+    return 0.0
+
+  return of
+
+
+def _grouped(ins, types):
+  """What a grouped matmul's Pallas call holds, else None: {"groups" G, "weights" (bytes of
+  its per-group matrices, operands of rank 3 with G leading), "rows" (bytes of its row
+  operands, rank 2), "other" (the rest of its operands), "m" (rows of its row buffer),
+  "per_group_result" (a tgmm: its result holds a matrix per group)}.
+
+  Such a kernel (megablox's `gmm`/`tgmm`, `kernels.tpu_quant`'s) takes its grid's metadata
+  first: the number of grid steps (s32[]) and the G + 1 group offsets (s32[G + 1])."""
+  if 'custom_call_target="tpu_custom_call"' not in ins.attrs:
+    return None
+  shapes = [hlo_ops._dims(types.get(o, "")) for o in ins.operands]
+  kinds = [types.get(o, "")[:4] for o in ins.operands]
+  if len(shapes) < 3 or shapes[0] != [] or len(shapes[1]) != 1 or kinds[:2] != ["s32[", "s32["]:
+    return None
+  G = shapes[1][0] - 1
+  out = hlo_ops._dims(ins.type)
+  weights = rows = other = 0.0
+  row_dims = []
+  for o, dims, kind in zip(ins.operands, shapes, kinds):
+    b = measure.shape_bytes(types.get(o, ""))
+    if len(dims) == 3 and dims[0] == G:
+      weights += b
+    elif len(dims) == 2 and kind != "s32[":
+      rows += b
+      row_dims.append(set(dims))
+    else:
+      other += b
+  if G < 1 or not (weights or len(out) == 3):
+    return None
+  tgmm = len(out) == 3 and out[0] == G
+  common = set.intersection(*row_dims) if row_dims else set()
+  m = out[0] if not tgmm and len(out) == 2 else max(common, default=0)
+  return dict(
+    groups=G,
+    weights=weights,
+    rows=rows,
+    other=other,
+    m=m,
+    result=measure.shape_bytes(ins.type),
+    per_group_result=tgmm,
+  )
+
+
+def _visited(kernel, sizes, row_tile):
+  """(read, written, share of the row buffer visited) of a grouped kernel whose groups hold
+  `sizes` rows (in order from row 0): the row tiles that hold a group's rows (a tile across
+  a group boundary visited once per group), the matrices of the non-empty groups."""
+  sizes = [max(float(x), 0.0) for x in sizes]
+  start, tiles = 0.0, 0
+  for rows in sizes:
+    if rows > 0:
+      tiles += int((start + rows - 1) // row_tile) - int(start // row_tile) + 1
+    start += rows
+  m = kernel["m"] or 1
+  share = min(tiles * row_tile / m, 1.0)
+  nonempty = sum(1 for x in sizes if x > 0) / kernel["groups"]
+  out = kernel["result"]
+  if kernel["per_group_result"]:  # tgmm: rows read, every group's matrix written
+    return kernel["other"] + share * kernel["rows"], out, share
+  return kernel["other"] + share * kernel["rows"] + nonempty * kernel["weights"], share * out, share
+
+
+def grouped_kernels(compiled_or_text, trip_counts=None):
+  """The grouped matmuls' Pallas calls of a program (`_grouped`), with what their grids skip.
+
+  Its grid (`make_group_metadata(visit_empty_groups=False)`, gmm) has no step for an empty
+  group, so the pipeline never fetches that group's blocks; its declared bytes (what XLA
+  counts) hold every group's matrix once.
 
   Returns:
     [{"name", "groups" (G), "weight_bytes" (its matrices' bytes), "declared" (its declared
@@ -177,24 +292,13 @@ def grouped_kernels(compiled_or_text, trip_counts=None):
     types = {ins.name: ins.type for ins in instrs}
     for ins in instrs:
       declared = _DECLARED_RE.search(ins.attrs) if ins.opcode == "custom-call" else None
-      if not declared or 'custom_call_target="tpu_custom_call"' not in ins.attrs:
-        continue
-      shapes = [hlo_ops._dims(types.get(o, "")) for o in ins.operands]
-      kinds = [types.get(o, "")[:4] for o in ins.operands]
-      if len(shapes) < 3 or shapes[0] != [] or len(shapes[1]) != 1 or kinds[:2] != ["s32[", "s32["]:
-        continue
-      G = shapes[1][0] - 1
-      weights = [
-        measure.shape_bytes(types[o])
-        for o, dims in zip(ins.operands, shapes)
-        if len(dims) == 3 and dims[0] == G
-      ]
-      if G >= 1 and weights:
+      kernel = _grouped(ins, types) if declared else None
+      if kernel and kernel["weights"]:
         out.append(
           dict(
             name=ins.name,
-            groups=G,
-            weight_bytes=float(sum(weights)),
+            groups=kernel["groups"],
+            weight_bytes=kernel["weights"],
             declared=float(declared.group(1)),
             runs=runs.get(comp, 0.0),
           )
@@ -202,32 +306,25 @@ def grouped_kernels(compiled_or_text, trip_counts=None):
   return out
 
 
-def executed_bytes(compiled, trip_counts=None, rows=None):
-  """HBM bytes one run of `compiled` accesses, loop bodies times their trip counts.
+def step_bytes(compiled_or_text, trip_counts=None, rows=None, cost=None, **visit):
+  """HBM bytes one run of a program accesses, by the one count, with XLA's beside it.
 
-  executed = XLA's "bytes accessed" + sum over ops of bytes per run * (runs - counted); see
-  the module docstring (counted: 1, or 0 in a conditional branch XLA did not count). A loop with no trip count known or given counts once (as XLA does).
-  `rows`: `op_bytes(compiled, trip_counts)` when the caller has it already.
+  Args:
+    compiled_or_text: a `jax.stages.Compiled`, its HLO text, or an `HloModule`.
+    trip_counts: as in `op_bytes`.
+    rows: `op_bytes(...)` when the caller has it already.
+    cost: XLA's `cost_analysis()` dict for text input (default None: the compiled's own).
+    **visit: `groups`, `row_tile` of `op_bytes`.
 
   Returns:
-    dict: "executed" (that), "xla" (XLA's figure, bodies once), "no_prefetch" (executed
-    less the bytes of values in VMEM: the prefetches' writes and the reads of them).
+    dict: "hbm" (the sum over ops of their `hbm` times their runs), "xla" (XLA's "bytes
+    accessed", every computation once; None when not known).
   """
-  xla = measure.bytes_accessed(compiled)
-  rows = op_bytes(compiled, trip_counts) if rows is None else rows
-  per_comp = collections.Counter()
-  for r in rows:
-    per_comp[r["computation"]] += r["read"] + r["written"]
-  # XLA counts one branch of a conditional (its costliest), every other computation once.
-  counted = measure.xla_counted(measure._module(compiled), per_comp)
-  executed = xla + sum(
-    (r["read"] + r["written"]) * (r["runs"] - counted.get(r["computation"], 1.0)) for r in rows
-  )
-  return {
-    "executed": executed,
-    "xla": xla,
-    "no_prefetch": executed - sum(r["vmem"] * r["runs"] for r in rows),
-  }
+  rows = op_bytes(compiled_or_text, trip_counts, **visit) if rows is None else rows
+  if cost is None and hasattr(compiled_or_text, "cost_analysis"):
+    cost = measure._cost(compiled_or_text)
+  xla = float(cost["bytes accessed"]) if cost and "bytes accessed" in cost else None
+  return {"hbm": sum(r["total"] for r in rows), "xla": xla}
 
 
 def by_scope(rows, depth=2):
@@ -238,25 +335,27 @@ def by_scope(rows, depth=2):
   return out.most_common()
 
 
-def table(compiled, trip_counts=None, top=15):
-  """A Markdown report: the totals, per-scope totals and the `top` ops."""
-  every = op_bytes(compiled, trip_counts)
-  xla = executed_bytes(compiled, trip_counts, every)
+def table(compiled, trip_counts=None, top=15, **visit):
+  """A Markdown report: the one count, per-scope totals and the `top` ops (an in-place
+  update marked "in place")."""
+  every = op_bytes(compiled, trip_counts, **visit)
+  counts = step_bytes(compiled, trip_counts, every)
   rows = [r for r in every if r["total"] > 0]
-  total = sum(r["total"] for r in rows)
+  total = sum(r["total"] for r in rows) or 1.0
   gb = 1e9
+  xla = f"{counts['xla'] / gb:.2f} GB" if counts["xla"] is not None else "not known"
   lines = [
-    f"HBM bytes by this model: {total / gb:.2f} GB per device per step (XLA's bytes "
-    f"accessed: {xla['xla'] / gb:.2f} GB with loop bodies once, "
-    f"{xla['executed'] / gb:.2f} GB with loop bodies times their trip counts)\n",
+    f"HBM bytes by the one count: {counts['hbm'] / gb:.2f} GB per device per step (XLA's "
+    f"bytes accessed, loop bodies once: {xla})\n",
     "| scope | GB | share |",
     "|---|---|---|",
   ]
   lines += [f"| {s} | {b / gb:.3f} | {b / total:.1%} |" for s, b in by_scope(rows)[:top]]
   lines += ["", "| op | scope | shape | runs | GB | share |", "|---|---|---|---|---|---|"]
   for r in rows[:top]:
+    mark = " (in place)" if r["inplace"] else ""
     lines.append(
-      f"| {r['opcode']} {r['name']} | {r['scope'] or '-'} | {r['shape'][:60]} | "
+      f"| {r['opcode']} {r['name']}{mark} | {r['scope'] or '-'} | {r['shape'][:60]} | "
       f"{r['runs']:g} | {r['total'] / gb:.3f} | {r['total'] / total:.1%} |"
     )
   return "\n".join(lines) + "\n"

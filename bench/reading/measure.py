@@ -105,7 +105,7 @@ def cost_flops(compiled):
 
 def bytes_accessed(compiled):
   """XLA's memory-traffic count (`cost_analysis()["bytes accessed"]`); loop bodies counted
-  once (`bench.reading.hbm.executed_bytes` scales them)."""
+  once; a reference column beside `bench.reading.hbm.step_bytes`' one count)."""
   return float(_cost(compiled).get("bytes accessed", 0.0))
 
 

@@ -1,7 +1,7 @@
 """How much of a program's link time its schedule leaves exposed.
 
-The roofline (`bench.reading.tpu.estimates`) takes the largest of compute, HBM and link
-time: it assumes every collective runs under independent compute. The compiled schedule
+The whole-step lower bound (`bench.reading.estimate`'s `lower_bound_s`) takes the largest
+of compute, HBM and link time: it assumes every collective runs under independent compute. The compiled schedule
 says whether one can. A TPU runs a scheduled module's ops one after another, in the order
 of the optimised HLO text (`is_scheduled=true`); a collective there is one of:
 
@@ -14,7 +14,7 @@ of the optimised HLO text (`is_scheduled=true`); a collective there is one of:
   the ops between its first and last piece run while it moves.
 
 Each op's time is the larger of its FLOPs over the chip's peak and its HBM bytes
-(`hbm.op_bytes`, less the bytes of values in VMEM) over the chip's bandwidth; a while loop,
+(`hbm.op_bytes`'s one count, VMEM's bytes left out) over the chip's bandwidth; a while loop,
 call or conditional scheduled in a window covers with its callees' ops (a loop's body times
 its iterations). A collective's link time is its wire bytes (`hlo_ops._wire_bytes`) over the
 link bandwidth; the exposed part is what the ops in its window do not cover (all of it for
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from bench.reading import hbm, hlo, hlo_ops, measure, tpu
+from bench.reading import hbm, hlo, hlo_ops, measure
 
 _CHAIN_RE = re.compile(r'chain_id="?(\w+)')
 _CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
@@ -51,28 +51,31 @@ def _wire(ins, types):
   return hlo_ops._wire_bytes(kind, operand, result, hlo_ops._group_size(ins.attrs))
 
 
-def exposed_link(compiled_or_text, peak, trip_counts=None):
-  """The link time of one run of a program, and the part of it its schedule leaves exposed.
+def exposed_link(compiled_or_text, peak, trip_counts=None, rows=None):
+  """The link time of one run of a program, the part of it its schedule leaves exposed,
+  and the time of its ops.
 
   Args:
-    compiled_or_text: a `jax.stages.Compiled` for TPU (or its HLO text).
+    compiled_or_text: a `jax.stages.Compiled` for TPU (or its HLO text, or an `HloModule`).
     peak: the chip's peaks, {"flops", "hbm", "ici"} per second (`bench.reading.tpu.PEAKS`).
     trip_counts: as in `measure.executed_flops`, for loops and conditionals.
+    rows: `hbm.op_bytes(compiled_or_text, trip_counts, ...)` when the caller has it (default
+      None: made here, grouped kernels at their declared cost).
 
   Returns:
     {"link_s": every collective's link time, "exposed_s": the part no independent op
-    covers}, per device, loops scaled. Their ratio is what `run` applies to a row's
-    `ici_s` (whose ragged exchange's bytes are the run's own, not the HLO's bound).
+    covers, "ops_s": the sum over the program's ops, loop bodies times their runs, of each
+    op's larger of FLOPs over peak and HBM bytes (the one count) over bandwidth}, per
+    device. `bench.reading.estimate.step_estimate` applies exposed_s / link_s to a row's
+    link time where the caller knows its bytes (a ragged exchange's run-time sizes).
   """
   mod = measure._module(compiled_or_text)
   runs = mod.executions(trip_counts, default_trip_count=1)
-  op_s = {}  # (computation, op) -> seconds of one run
-  for row in hbm.op_bytes(mod, trip_counts):
-    op_s[(row["computation"], row["name"])] = (row["read"] + row["written"] - row["vmem"]) / peak[
-      "hbm"
-    ]
-  flops_of = _flops(mod)
-  types_of = {comp: {i.name: i.type for i in instrs} for comp, instrs in mod.comps.items()}
+  rows = hbm.op_bytes(mod, trip_counts) if rows is None else rows
+  op_s = {  # (computation, op) -> seconds of one run
+    (r["computation"], r["name"]): max(r["flops"] / peak["flops"], r["hbm"] / peak["hbm"])
+    for r in rows
+  }
   memo = {}
 
   def comp_s(comp):
@@ -87,8 +90,7 @@ def exposed_link(compiled_or_text, peak, trip_counts=None):
       per = runs.get(comp, 0.0)
       nested = [(c, runs.get(c, 0.0) / per if per else 0.0) for c in _callees(ins)]
       return sum(n * comp_s(c) for c, n in nested)
-    flops = flops_of(ins, types_of[comp])
-    return max(flops / peak["flops"], op_s.get((comp, ins.name), 0.0))
+    return op_s.get((comp, ins.name), 0.0)
 
   link = exposed = 0.0
   for comp in hbm._kernel_computations(mod):
@@ -98,33 +100,7 @@ def exposed_link(compiled_or_text, peak, trip_counts=None):
     got = _windows(mod, comp, lambda ins, c=comp: _op_s(c, ins))
     link += n * sum(w for w, _ in got) / peak["ici"]
     exposed += n * sum(max(w / peak["ici"] - cover, 0.0) for w, cover in got)
-  return {"link_s": link, "exposed_s": exposed}
-
-
-def _flops(mod):
-  """FLOPs of one kernel op: a dot or convolution, a Pallas kernel's declared cost, or the
-  dots of the computations a fusion calls."""
-  own = {}
-
-  def inside(comp):
-    if comp not in own:
-      own[comp] = mod.dot_flops.get(comp, 0.0) + sum(
-        inside(c) for c, kind in mod.calls.get(comp, ()) if kind == "call"
-      )
-    return own[comp]
-
-  def of(ins, types):
-    if ins.opcode == "fusion":
-      return sum(inside(c) for c in _callees(ins))
-    if ins.opcode == "dot":
-      return hlo_ops._dot_flops(ins, types)
-    if ins.opcode == "convolution":
-      return hlo_ops._conv_flops(ins, types)
-    if ins.opcode == "custom-call":
-      return hlo_ops.custom_call_flops(ins.attrs)
-    return 0.0
-
-  return of
+  return {"link_s": link, "exposed_s": exposed, "ops_s": comp_s(mod.entry)}
 
 
 def _piece(mod, ins):
@@ -191,15 +167,3 @@ def _windows(mod, comp, seconds):
   done += [(wire, cover) for wire, _, cover in pieces.values()]
   done += [tuple(w) for w in open_.values()]  # a start with no done here: covered to the end
   return done
-
-
-def exposed_row(compiled, row, topology, trip_counts=None):
-  """{"ici_exposed_s"}: the row's link time (`ici_s`, whose ragged exchanges' bytes are the
-  run's own) times the share of the program's link time its schedule leaves exposed; {}
-  for a chip without cited peaks or a row without link time."""
-  peak = tpu.PEAKS.get(tpu.generation(topology))
-  if peak is None or "ici_s" not in row:
-    return {}
-  got = exposed_link(compiled, peak, trip_counts)
-  share = got["exposed_s"] / got["link_s"] if got["link_s"] else 0.0
-  return {"ici_exposed_s": row["ici_s"] * share}

@@ -69,59 +69,56 @@ def collective_latency_s(topology):
   return chips.collective_latency_s(devices(topology))
 
 
-def estimates(compiled, flops, wire_bytes, topology, hbm_bytes=None, dependent=None):
-  """XLA's TPU cost estimate and a roofline, per device, in seconds.
+def estimates(compiled, topology, trip_counts=None, wire_bytes=None, dependent=None, groups=None):
+  """XLA's TPU cost estimate and the one count (`bench.reading.estimate`), per device, in seconds.
 
   Args:
     compiled: the TPU `Compiled`.
-    flops: `measure.executed_flops(compiled, trip_counts)` of one device.
-    wire_bytes: collective bytes one device sends (loops scaled).
     topology: e.g. "v5e:2x4".
-    hbm_bytes: `bench.reading.hbm.executed_bytes(compiled, trip_counts)` of one device (default
-      None: XLA's figure, loop bodies once).
+    trip_counts: the loops' trips and branches of the device counted (the busiest).
+    wire_bytes: collective bytes one device sends, loops scaled, where the caller knows them
+      better than the HLO (a ragged exchange's run-time sizes; default None: the HLO's).
     dependent: `measure.dependent_collectives(compiled, trip_counts)` (default None: no
       latency term).
+    groups: {G: expected rows per group} of the grouped-matmul kernels (`hbm.op_bytes`).
 
   Returns:
     dict: xla_optimal_s (cost_analysis()["optimal_seconds"]; XLA visits each while body
-    once; None when XLA could not cost an instruction); xla_optimal_scaled_s (that estimate times executed FLOPs / XLA's FLOPs, i.e.
-    loop bodies counted once per iteration, assuming time in proportion to FLOPs); and, for
-    a chip with cited peaks, roofline_s = max(compute_s, hbm_s, ici_s): executed FLOPs over
-    peak FLOP/s, HBM bytes (XLA's "bytes accessed" with loop bodies times their trip
-    counts; hbm_bytes_accessed) over HBM bandwidth, bytes sent over ICI bandwidth.
-    hbm_bytes_xla is XLA's own figure (bodies once). With `hbm_bytes`, also
-    hbm_bytes_no_prefetch (its "no_prefetch": less the bytes of values in VMEM, which
-    XLA counts as HBM's; `bench.reading.hbm`) and roofline_no_prefetch_s, the roofline with it.
-    With `dependent`, also dependent_collectives (that count) and latency_s: it times
+    once; None when XLA could not cost an instruction); hbm_bytes_xla (XLA's "bytes
+    accessed", bodies once: a reference column); and, for a chip with cited peaks, the one
+    count: estimate_s (the sum over ops of each op's larger of FLOPs / peak and HBM bytes /
+    bandwidth, plus the exposed link time ici_exposed_s), roofline_s (the whole-step lower
+    bound max(compute_s, hbm_s, ici_s) by the same counts), compute_s, hbm_s, ici_s,
+    hbm_bytes_accessed (the one count's bytes), estimate_flops. With `dependent`, also
+    dependent_collectives (that count) and latency_s: it times
     `collective_latency_s(topology)`, the time the chain of collectives waits on the
-    interconnect whatever their bytes, which the rooflines above leave out (add it to
-    either: a collective's result is what the next step waits for).
+    interconnect whatever their bytes, which the estimate leaves out (add it: a
+    collective's result is what the next step waits for).
   """
-  from bench.reading import measure
+  from bench.reading import estimate, measure
 
   ca = measure._cost(compiled)
   opt = float(ca.get("optimal_seconds", -1.0))
   # XLA adds -1 s for each instruction it cannot cost (seen: the transposes of TPU's
   # ragged-dot kernel in a backward pass); such a total is no estimate.
-  opt = opt if opt >= 0 else None
   out = {
-    "xla_optimal_s": opt,
-    "xla_optimal_scaled_s": (
-      None if opt is None else opt * flops["executed"] / max(flops["xla"], 1.0)
-    ),
+    "xla_optimal_s": opt if opt >= 0 else None,
     "hbm_bytes_xla": float(ca.get("bytes accessed", 0.0)),
   }
-  out["hbm_bytes_accessed"] = out["hbm_bytes_xla"] if hbm_bytes is None else hbm_bytes["executed"]
-  peak = PEAKS.get(generation(topology))
-  if peak is not None:
-    out["compute_s"] = flops["executed"] / peak["flops"]
-    out["hbm_s"] = out["hbm_bytes_accessed"] / peak["hbm"]
-    out["ici_s"] = wire_bytes / peak["ici"]
-    out["roofline_s"] = max(out["compute_s"], out["hbm_s"], out["ici_s"])
-    if hbm_bytes is not None and "no_prefetch" in hbm_bytes:
-      out["hbm_bytes_no_prefetch"] = hbm_bytes["no_prefetch"]
-      hbm_s = hbm_bytes["no_prefetch"] / peak["hbm"]
-      out["roofline_no_prefetch_s"] = max(out["compute_s"], hbm_s, out["ici_s"])
+  if PEAKS.get(generation(topology)) is not None:
+    one = estimate.step_estimate(
+      compiled, topology, trip_counts, ca, groups=groups, ici_bytes=wire_bytes
+    )
+    out.update(
+      estimate_s=one["estimate_s"],
+      roofline_s=one["lower_bound_s"],
+      compute_s=one["compute_s"],
+      hbm_s=one["hbm_s"],
+      ici_s=one["ici_s"],
+      ici_exposed_s=one["ici_exposed_s"],
+      hbm_bytes_accessed=one["hbm_bytes"],
+      estimate_flops=one["flops"],
+    )
   latency = collective_latency_s(topology)
   if dependent is not None and latency is not None:
     out["dependent_collectives"] = dependent

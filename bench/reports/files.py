@@ -48,7 +48,7 @@ CSV_FIELDS = (
   "efficiency",
   "topology",
   "xla_optimal_s",
-  "xla_optimal_scaled_s",
+  "estimate_s",
   "roofline_s",
   "compute_s",
   "hbm_s",
@@ -56,12 +56,8 @@ CSV_FIELDS = (
   "ici_exposed_s",
   "hbm_bytes_xla",
   "hbm_bytes_accessed",
-  "hbm_bytes_no_prefetch",
-  "roofline_no_prefetch_s",
   "dependent_collectives",
   "latency_s",
-  "hbm_bytes_expected",
-  "roofline_expected_s",
   "bound_s",
   "bound_bytes",
   "bound_flops",
@@ -113,7 +109,7 @@ def plot(rows, path):
       by = {(r["T"], r["E"], r["routing"]): r for r in here if series(r) == impl}
       xs = [j + i * width for j, c in enumerate(cases) if c in by]
       secs = [
-        by[c].get("roofline_s") if tpu else by[c]["time_s"]["median"] for c in cases if c in by
+        by[c].get("estimate_s") if tpu else by[c]["time_s"]["median"] for c in cases if c in by
       ]
       axes[0, col].bar(
         xs, [1e3 * t if t is not None else 0 for t in secs], width, color=f"C{i}", label=impl
@@ -137,7 +133,9 @@ def plot(rows, path):
       ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
       ax.set_xticklabels([f"T={t}\nE={e}\n{rt}" for t, e, rt in cases], fontsize=7)
     axes[0, col].set_title(f"{level}, {mode.replace('_', '+')}", fontsize=10)
-  axes[0, 0].set_ylabel("roofline estimate, ms (not measured)" if tpu else "median wall time, ms")
+  axes[0, 0].set_ylabel(
+    "estimate (one count), ms (not measured)" if tpu else "median wall time, ms"
+  )
   axes[1, 0].set_ylabel("collective MiB sent per device")
   axes[2, 0].set_ylabel("efficiency: dense limit time / time")
   axes[0, 0].legend(fontsize=7)

@@ -70,8 +70,8 @@ def table(rows):
   quant = quantized_rows(rows)
   if tpu:
     head = (
-      "| level | T | E | routing | mode | impl | XLA est. ms | XLA est. ms, loops scaled | "
-      "roofline ms (compute/HBM/ICI) | HBM GB (XLA/loops scaled) | eff. | flops x | MiB/dev | x bound "
+      "| level | T | E | routing | mode | impl | estimate ms | XLA est. ms | "
+      "lower bound ms (compute/HBM/ICI) | HBM GB (one count; XLA's) | eff. | flops x | MiB/dev | x bound "
       "(uniform/routing) | HBM temp MiB | rounds | dropped | compile s |"
     )
   else:
@@ -90,9 +90,7 @@ def table(rows):
     head = head.replace(" | rounds |", " | balance (busiest rows) | rounds |", 1)
   bounded = any("bound_s" in r for r in rows)
   if bounded:  # the time over the bound: the roofline's on TPU, the median elsewhere
-    over = (
-      "roofline/bound, less VMEM prefetches, + latency; visited groups" if tpu else "time/bound"
-    )
+    over = "estimate/bound, + latency" if tpu else "time/bound"
     head = head.replace(" | eff. |", f" | bound ms ({over}) | eff. |")
   if any("ici_exposed_s" in r for r in rows):  # the schedule's figure (`reading/schedule.py`)
     head = head.replace("(compute/HBM/ICI)", "(compute/HBM/ICI; ICI exposed)", 1)
@@ -131,12 +129,12 @@ def table(rows):
         else "-"
       )
       hbm = (
-        f"{r['hbm_bytes_xla'] / 1e9:.1f}/{r['hbm_bytes_accessed'] / 1e9:.1f}"
+        f"{r['hbm_bytes_accessed'] / 1e9:.1f}; {r['hbm_bytes_xla'] / 1e9:.1f}"
         if "hbm_bytes_xla" in r
         else "-"
       )
       out.append(
-        common + f"| {_ms(r['xla_optimal_s'])} | {_ms(r['xla_optimal_scaled_s'])} | "
+        common + f"| {_ms(r.get('estimate_s'))} | {_ms(r['xla_optimal_s'])} | "
         f"{roof} | {hbm} " + tail + f"| {r['compile_s']:.1f} |"
       )
     else:
@@ -161,27 +159,22 @@ def table(rows):
 
 
 def seconds_of(row):
-  """A row's time: the roofline estimate of a TPU compile, else the median wall time."""
-  return row.get("roofline_s") if "topology" in row else row.get("time_s", {}).get("median")
+  """A row's time: the one count (`estimate_s`) of a TPU compile, else the median wall time."""
+  return row.get("estimate_s") if "topology" in row else row.get("time_s", {}).get("median")
 
 
 def _over(row, bound):
-  """ "bound ms (time / bound)", or "-" without a bound; a TPU row's time is its roofline,
-  and the roofline less VMEM prefetches follows where the row has it, then that plus the
-  collectives' latency (`latency_s`), and after a semicolon that with the grouped matmuls'
-  weights counted for the groups their grids visit (`roofline_expected_s`)."""
+  """ "bound ms (time / bound)", or "-" without a bound; a TPU row's time is its one count
+  (`estimate_s`), followed by that plus the collectives' latency (`latency_s`)."""
   t = seconds_of(row)
   if bound is None:
     return "-"
   if t is None or bound <= 0:
     return _ms(bound)
-  less = row.get("roofline_no_prefetch_s")
-  out = f"{_ms(bound)} ({t / bound:.2f}" + (f", {less / bound:.2f}" if less else "")
+  out = f"{_ms(bound)} ({t / bound:.2f}"
   latency = row.get("latency_s")
-  if less and latency is not None:
-    out += f", {(less + latency) / bound:.2f}"
-    if row.get("roofline_expected_s") is not None:
-      out += f"; {(row['roofline_expected_s'] + latency) / bound:.2f}"
+  if "topology" in row and latency is not None:
+    out += f", {(t + latency) / bound:.2f}"
   return out + ")"
 
 
@@ -189,11 +182,7 @@ def headline(rows):
   """all_to_all against the best jit-only version of each case: time and bytes."""
   tpu = any("topology" in r for r in rows)
   key = (
-    (
-      "roofline_s"
-      if all("roofline_s" in r for r in rows if "error" not in r)
-      else "xla_optimal_scaled_s"
-    )
+    ("estimate_s" if all("estimate_s" in r for r in rows if "error" not in r) else "xla_optimal_s")
     if tpu
     else None
   )
@@ -232,8 +221,8 @@ def headline(rows):
   if not lines:
     return ""
   what = {
-    "roofline_s": "roofline estimate for the TPU compiled for, not a measurement",
-    "xla_optimal_scaled_s": "XLA's TPU cost estimate, loops scaled; not a measurement",
+    "estimate_s": "the one count's estimate for the TPU compiled for, not a measurement",
+    "xla_optimal_s": "XLA's TPU cost estimate, loop bodies once; not a measurement",
     None: "median wall time",
   }[key]
   return (
