@@ -152,11 +152,16 @@ def op_bytes(compiled_or_text, trip_counts=None, groups=None, row_tile=ROW_TILE)
         if ins.opcode == "copy-done" and len(start) > 1 and _VMEM_RE.search(start[1]):
           vmem += read
       elif kernel and groups and kernel["groups"] in groups:
-        read, written, share = _visited(kernel, groups[kernel["groups"]], row_tile)
+        read, written, vmem, share = _visited(
+          ins, types, kernel, groups[kernel["groups"]], row_tile
+        )
         flops *= share
       elif declared and 'custom_call_target="tpu_custom_call"' in ins.attrs:
         written = measure.shape_bytes(ins.type)
         read = max(float(declared.group(1)) - written, 0.0)
+        # What it reads of operands in VMEM (the prefetches counted their HBM bytes).
+        vmem = min(read, sum(measure.shape_bytes(types[o]) for o in _in_vmem(ins, types)))
+        vmem += written if _VMEM_RE.search(ins.type) else 0.0
       elif update is not None:
         read, written = update
       else:
@@ -254,23 +259,38 @@ def _grouped(ins, types):
   )
 
 
-def _visited(kernel, sizes, row_tile):
-  """(read, written, share of the row buffer visited) of a grouped kernel whose groups hold
-  `sizes` rows (in order from row 0): the row tiles that hold a group's rows (a tile across
-  a group boundary visited once per group), the matrices of the non-empty groups."""
+def _in_vmem(ins, types):
+  return [o for o in ins.operands if _VMEM_RE.search(types.get(o, ""))]
+
+
+def _visited(ins, types, kernel, sizes, row_tile):
+  """(read, written, vmem of those, share of the row buffer visited) of a grouped kernel
+  whose groups hold `sizes` rows (in order from row 0): the row tiles that hold a group's
+  rows (a tile across a group boundary visited once per group), the matrices of the
+  non-empty groups; an operand or result in VMEM at those rates too."""
   sizes = [max(float(x), 0.0) for x in sizes]
   start, tiles = 0.0, 0
   for rows in sizes:
     if rows > 0:
       tiles += int((start + rows - 1) // row_tile) - int(start // row_tile) + 1
     start += rows
-  m = kernel["m"] or 1
-  share = min(tiles * row_tile / m, 1.0)
-  nonempty = sum(1 for x in sizes if x > 0) / kernel["groups"]
-  out = kernel["result"]
-  if kernel["per_group_result"]:  # tgmm: rows read, every group's matrix written
-    return kernel["other"] + share * kernel["rows"], out, share
-  return kernel["other"] + share * kernel["rows"] + nonempty * kernel["weights"], share * out, share
+  G = kernel["groups"]
+  share = min(tiles * row_tile / (kernel["m"] or 1), 1.0)
+  nonempty = sum(1 for x in sizes if x > 0) / G
+  read = vmem = 0.0
+  in_vmem = set(_in_vmem(ins, types))
+  for o in ins.operands:
+    dims, b = hlo_ops._dims(types.get(o, "")), measure.shape_bytes(types.get(o, ""))
+    if len(dims) == 3 and dims[0] == G:
+      b *= nonempty  # a matrix per group: the non-empty groups'
+    elif len(dims) == 2 and not types.get(o, "").startswith("s32["):
+      b *= share  # the row buffer: its visited tiles
+    read += b
+    vmem += b if o in in_vmem else 0.0
+  # tgmm's result, a matrix per group, is written whole (it zeroes the empty groups').
+  written = kernel["result"] * (1.0 if kernel["per_group_result"] else share)
+  vmem += written if _VMEM_RE.search(ins.type) else 0.0
+  return read, written, vmem, share
 
 
 def grouped_kernels(compiled_or_text, trip_counts=None):
