@@ -5,7 +5,8 @@ At decode sizes "auto" compares the dispatches' estimated times
 (`exchange_rule.decode_estimates`), past them it reads the chip's ridge point, FLOP/s over
 HBM bytes/s (`exchange_rule.chip_ridge`); the benchmark's roofline adds the same latency per
 collective (`bench.reading.tpu.estimates`). A chip not listed here has no estimate: "auto"
-keeps its rule for unpriced chips there.
+keeps its rule for unpriced chips there. The figures and the rules that read them are
+TPUs': a device of another platform is not priced, whatever its kind.
 
     latency of one collective = ICI_HOP_S * hops(devices)
 

@@ -58,6 +58,13 @@ DECODE_ROWS_PER_WEIGHT_BYTE = 128
 # (Qwen3-30B-A3B on v5e) to 26 at 64 (bench/results/tpu_v5e_2x4_decode_dispatches.md,
 # tpu_v6e_2x4_decode_dispatches.md).
 ROW_PASSES = 16
+# Device kinds whose compiled ragged dispatch makes more passes over each row than
+# `ROW_PASSES` at decode sizes, and their passes. Compiled for TPU7x, its program moves more
+# than twice all_to_all's bytes per row at 64 tokens per chip, where v5e's and v6e's move
+# about as many (bench/results/tpu_tpu7x_2x2x1_decode.md, docs/guides/tpu_gpu.md). The
+# value lies between the two sides that file's rows pin: all_to_all, the faster, at 64
+# tokens per chip, and the ragged dispatch, the faster, at 8.
+RAGGED_ROW_PASSES = {"TPU7x": 24}
 # Collectives each dispatch waits on one after another in a decode call (one round): the
 # exchange there and back; the ragged dispatch first all-gathers its queues' counts. Each
 # one costs `chips.collective_latency_s` whatever its bytes. (all_to_all's pmax of the
@@ -103,10 +110,11 @@ def auto_impl(
     first all-gathers its queue counts, and its receive buffer holds every routing in one
     round at up to `plan.DECODE_ROWS` rows.
   - Past decode sizes, where XLA has the ragged-all-to-all collective (TPU, CUDA and ROCm
-    GPUs: `parallel.RAGGED_PLATFORMS`): "all_to_all" on a chip whose ridge point is above
-    `STEP_RIDGE` (its step is bound by HBM bytes, which all_to_all's programs move fewer
-    of), else "ragged_all_to_all" (exact rows, fewer FLOPs; also where the ridge is not
-    known). "all_to_all" where XLA has no ragged collective (CPU).
+    GPUs: `parallel.RAGGED_PLATFORMS`): on TPU, "all_to_all" on a chip whose ridge point is
+    above `STEP_RIDGE` (its step is bound by HBM bytes, which all_to_all's programs move
+    fewer of), else "ragged_all_to_all" (exact rows, fewer FLOPs; also where the ridge is
+    not known, and on GPUs whatever their ridge: `STEP_RIDGE` is set between TPUs'
+    compiled programs). "all_to_all" where XLA has no ragged collective (CPU).
 
   Args:
     platform: the mesh's devices' platform in `lax.platform_dependent`'s names ("tpu",
@@ -122,7 +130,7 @@ def auto_impl(
     decode_times: {"all_to_all": s, "ragged_all_to_all": s}, each dispatch's estimated
       seconds at these tokens (`decode_estimates`), or None (default: not priced).
     ridge: the chip's peak FLOP/s over its HBM bytes/s (`chip_ridge`), or None (default:
-      not known).
+      not known); read on "tpu" only.
 
   Returns:
     A name of `DISPATCHES`.
@@ -131,7 +139,8 @@ def auto_impl(
     return "ragged_dot"
   ragged = "ragged_all_to_all" if platform in parallel.RAGGED_PLATFORMS else "all_to_all"
   if tokens is None or tokens > DECODE_TOKENS:
-    return "all_to_all" if ridge is not None and ridge > STEP_RIDGE else ragged
+    above = platform == "tpu" and ridge is not None and ridge > STEP_RIDGE
+    return "all_to_all" if above else ragged
   if decode_times is not None and ragged == "ragged_all_to_all":
     return ragged if decode_times[ragged] < decode_times["all_to_all"] else "all_to_all"
   pays_no_flops = (
@@ -155,7 +164,8 @@ def decode_estimates(
   `plan.default_chunks`; ragged_all_to_all: its tokens * K items) and R the rows it
   receives (all_to_all: the same N slots; ragged_all_to_all: `plan.default_capacity`),
   each of D elements of b bytes (`cfg.compute_dtype`, else bfloat16) through `ROW_PASSES`
-  passes, the received ones through the FFN's matmuls (2 FLOPs per row and weight); n its
+  passes (the ragged dispatch's: `RAGGED_ROW_PASSES` of the chip, where listed), the
+  received ones through the FFN's matmuls (2 FLOPs per row and weight); n its
   `DEPENDENT_COLLECTIVES`, each `chips.collective_latency_s` of one expert-axis group of
   devices. HBM and FLOP/s are the chip's published peaks (`chips.CHIPS`). A model of the
   benchmark's roofline with its latency term (`python -m bench --tpu`), not a measurement.
@@ -166,9 +176,9 @@ def decode_estimates(
     tokens: tokens per device.
 
   Returns:
-    {"all_to_all": s, "ragged_all_to_all": s}, or None where the devices' kind has no
-    published figures, the devices have no coordinates (CPU, an `AbstractMesh`), or the
-    expert axis has one device.
+    {"all_to_all": s, "ragged_all_to_all": s}, or None where the devices are not TPUs
+    with published figures, have no coordinates (an `AbstractMesh`), or the expert axis
+    has one device.
   """
   n = axis_size(mesh, cfg.expert_axis)
   devices, spec = _group_chip(mesh, cfg.expert_axis)
@@ -185,17 +195,19 @@ def decode_estimates(
   weights = touched * per_row * weight_bytes
   b = jnp.dtype(cfg.compute_dtype or jnp.bfloat16).itemsize
   slots = n * plan.default_chunks(tokens, K, n, cfg.chunk_size).first
-  rows = {  # (sent, received)
-    "all_to_all": (slots, slots),
+  ragged_passes = RAGGED_ROW_PASSES.get(devices[0].device_kind, ROW_PASSES)
+  rows = {  # (sent, received, passes)
+    "all_to_all": (slots, slots, ROW_PASSES),
     "ragged_all_to_all": (
       tokens * K,
       plan.default_capacity(tokens, K, cfg.recv_capacity, n, L).first,
+      ragged_passes,
     ),
   }
   return {
-    impl: max((weights + ROW_PASSES * (s + r) * D * b) / spec.hbm, 2 * r * per_row / spec.flops)
+    impl: max((weights + passes * (s + r) * D * b) / spec.hbm, 2 * r * per_row / spec.flops)
     + DEPENDENT_COLLECTIVES[impl] * latency
-    for impl, (s, r) in rows.items()
+    for impl, (s, r, passes) in rows.items()
   }
 
 
@@ -239,8 +251,10 @@ def choose_impl(
     the ragged program's dense matmuls (Mixtral-8x7B in bfloat16) have XLA prefetch their
     weights into VMEM, 2.7x the bound against all_to_all's 1.05x
     (bench/results/tpu_v5e_2x4_decode_dispatches.md).
-    The platform is the mesh's devices' (`jax.default_backend()` says "cpu" on a CPU host
-    compiling ahead of time for TPU devices).
+    The platform and chip are the mesh's devices' (`jax.default_backend()` says "cpu" on a
+    CPU host compiling ahead of time for TPU devices); for an `AbstractMesh`, which has no
+    devices, its abstract device's where it carries one (`Mesh.abstract_mesh` does), else
+    the default device's, for both (`_mesh_device`).
 
   Raises:
     TypeError, ValueError: `tokens` not None or an int >= 0.
@@ -276,39 +290,65 @@ def choose_impl(
 
 def chip_ridge(mesh: Mesh | AbstractMesh, expert_axis: str | tuple[str, ...]) -> float | None:
   """The ridge point of the mesh's chips: peak FLOP/s over HBM bytes/s (`chips.CHIPS`),
-  the FLOPs per byte above which a program is bound by its FLOPs; None where their kind has
-  no published figures (CPU, GPUs, an `AbstractMesh`)."""
+  the FLOPs per byte above which a program is bound by its FLOPs; None where the devices
+  are not TPUs with published figures (CPU, GPUs, TPUs not listed). For an `AbstractMesh`
+  the chip of the device `_platform` reads (`_mesh_device`)."""
   _, spec = _group_chip(mesh, expert_axis)
   return None if spec is None else spec.flops / spec.hbm
 
 
 def _group_chip(mesh, expert_axis):
-  """(`_expert_group`'s devices, their `chips.Chip` or None)."""
+  """(`_expert_group`'s devices, their `chips.Chip` or None): the chip of the group's
+  first device, else of `_mesh_device`; None unless it is a TPU (the figures and the rules
+  that read them, `STEP_RIDGE` and `ROW_PASSES`, are TPUs')."""
   devices = _expert_group(mesh, expert_axis)
-  return devices, chips.chip(getattr(devices[0], "device_kind", None)) if devices else None
+  device = devices[0] if devices else _mesh_device(mesh)
+  if _device_platform(device) != "tpu":
+    return devices, None
+  return devices, chips.chip(getattr(device, "device_kind", None))
 
 
 def _expert_group(mesh, expert_axis):
   """The devices of one group of the expert axis (the other axes at index 0), which the
   dispatches' collectives span; [] for a mesh without devices (an `AbstractMesh`)."""
+  axes = expert_axis if isinstance(expert_axis, tuple) else (expert_axis,)
   try:
     devices = mesh.devices
+    index = tuple(slice(None) if name in axes else 0 for name in mesh.axis_names)
   except (AttributeError, ValueError):
     return []
-  axes = expert_axis if isinstance(expert_axis, tuple) else (expert_axis,)
-  index = tuple(slice(None) if name in axes else 0 for name in mesh.axis_names)
   return list(np.asarray(devices)[index].flat)
 
 
-def _platform(mesh):
-  """The platform of a mesh's devices in `lax.platform_dependent`'s names ("tpu", "cuda",
-  "rocm", "cpu", ...); for an AbstractMesh, which has no devices, the default device's."""
+def _default_device():
+  """The default backend's first device."""
+  return jax.devices()[0]
+
+
+def _mesh_device(mesh):
+  """The device that stands for the mesh's: its first; for an `AbstractMesh`, which has no
+  devices, its abstract device (kind and platform) where it carries one, else the default
+  device."""
   try:
-    device = mesh.devices.flat[0]
+    return mesh.devices.flat[0]
   except (AttributeError, IndexError, TypeError, ValueError):
-    device = jax.devices()[0]
+    pass
+  abstract = getattr(mesh, "abstract_device", None)
+  return abstract if abstract is not None else _default_device()
+
+
+def _device_platform(device):
+  """A device's platform in `lax.platform_dependent`'s names ("tpu", "cuda", "rocm",
+  "cpu", ...)."""
   platform = device.platform.lower()
   if platform == "gpu":  # a device says "gpu" for CUDA and ROCm alike; its client tells which
-    version = device.client.platform_version.lower()
+    client = getattr(device, "client", None) or _default_device().client
+    version = client.platform_version.lower()
     platform = next((p for p in ("cuda", "rocm") if p in version), platform)
   return platform
+
+
+def _platform(mesh):
+  """The platform of a mesh's devices (`_mesh_device`'s) in `lax.platform_dependent`'s
+  names."""
+  return _device_platform(_mesh_device(mesh))

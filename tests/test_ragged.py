@@ -486,15 +486,15 @@ def test_auto_rule_at_decode_weighs_the_buffer_against_the_weights(rows, weight_
 def test_auto_rule_past_decode_takes_all_to_all_above_the_ridge(tokens):
   """Past decode sizes the chip's ridge point (FLOP/s per HBM byte/s) picks the exchange:
   at or below `STEP_RIDGE` the ragged dispatch's exact rows, above it all_to_all's fewer
-  bytes; no ridge (GPUs, unknown chips) keeps the ragged dispatch, and CPU has no ragged
-  collective. Decode sizes are priced apart."""
+  bytes, on TPUs; no ridge (unknown chips) and GPUs, whatever their ridge, keep the ragged
+  dispatch, and CPU has no ragged collective. Decode sizes are priced apart."""
   from moe_shard.exchange_rule import STEP_RIDGE, auto_impl
 
   assert 240.5 < STEP_RIDGE < 312.6  # TPU v5e's ridge, TPU7x's (bench/results/tpu_*_step)
   assert auto_impl("tpu", 8, tokens, ridge=STEP_RIDGE) == "ragged_all_to_all"
   assert auto_impl("tpu", 8, tokens, ridge=STEP_RIDGE * (1 + 1e-9)) == "all_to_all"
   assert auto_impl("tpu", 8, tokens, ridge=None) == "ragged_all_to_all"
-  assert auto_impl("cuda", 8, tokens, ridge=1e9) == "all_to_all"
+  assert auto_impl("cuda", 8, tokens, ridge=1e9) == "ragged_all_to_all"
   assert auto_impl("cuda", 8, tokens, ridge=1.0) == "ragged_all_to_all"
   assert auto_impl("cpu", 8, tokens, ridge=1.0) == "all_to_all"
   assert auto_impl("tpu", 1, tokens, ridge=1e9) == "ragged_dot"
