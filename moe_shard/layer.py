@@ -65,7 +65,7 @@ from moe_shard.placement import Placement, check_placement, concrete
 from moe_shard.quant import expand, is_quantized
 from moe_shard.remat import MOE_DISPATCH_OUT, MOE_ROUTER_LOGITS
 from moe_shard.replica_rule import StepPlacement
-from moe_shard.replicas import SlotParams
+from moe_shard.replicas import SlotParams, as_slots
 from moe_shard.route_groups import num_routing_groups, route
 from moe_shard.routing import drop_over_capacity, get_router
 from moe_shard.sharding import (
@@ -78,6 +78,7 @@ from moe_shard.sharding import (
   resolve_mesh,
   unflatten_tokens,
 )
+from moe_shard.slot_moves import check_made_for
 
 # The named scope of the per-step placement's `lax.cond` (the benchmark names its branch).
 STEP_SCOPE = "step_placement"
@@ -240,7 +241,7 @@ def _place_params(params, x_TD, cfg, mesh):
     return params
   specs = moe_param_specs(dataclasses.replace(cfg, weights_format=None))
   if isinstance(params, SlotParams):  # the same specs: the slot axis splits like E
-    specs = SlotParams(**{f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)})
+    specs = as_slots(specs, params)
   specs = expand(specs, params)
   return jax.tree.map(lambda a, spec: place(a, mesh, spec), params, specs)
 
@@ -417,6 +418,7 @@ def _check_placement(fn, params, cfg, placement, n):
     return None, False
   placement = check_placement(fn, placement, cfg.num_experts, n)
   if served:
+    check_made_for(fn, "placement", params, placement)
     S = placement.num_slots
     first = jax.tree.leaves(params.experts)[0].shape[0]
     if first != S:

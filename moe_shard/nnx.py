@@ -46,7 +46,7 @@ from moe_shard.params import MoEParams, _check_params, init_moe_params, moe_para
 from moe_shard.placement import Placement
 from moe_shard.quant import expand, is_quantized
 from moe_shard.replica_rule import StepPlacement
-from moe_shard.replicas import SlotParams, logical_params, replicate_experts
+from moe_shard.replicas import SlotParams, as_slots, logical_params, replicate_experts
 from moe_shard.sharding import resolve_mesh
 
 __all__ = ["MoE", "Quantized", "RouterBias"]
@@ -99,6 +99,8 @@ class MoE(nnx.Module):
     shared_gate_D: `nnx.Param` f32[D] with `cfg.shared_expert_gate`, or None.
     cfg, mesh: static.
     slot_major: static; whether the experts are slot-major (`replicate_experts`).
+    placement_id: static; the fingerprint of the placement slot-major experts were made
+      for (`SlotParams.placement_id`), None when logical.
 
   Calling it with `x_BSD: f[B, S, D]` (and `placement=`, as `moe_layer` takes it) returns
   `(y_BSD, aux)` as `moe_layer`.
@@ -141,7 +143,7 @@ class MoE(nnx.Module):
     # Specs of the matrices, given to a quantized matrix's values and scales alike.
     specs = moe_param_specs(dataclasses.replace(self.cfg, weights_format=None))
     if isinstance(params, SlotParams):  # the same specs: the slot axis splits like E
-      specs = SlotParams(**{f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)})
+      specs = as_slots(specs, params)
     specs = expand(specs, params)
     quantized = functools.partial(_variable, Quantized)
     for field in dataclasses.fields(MoEParams):  # one attribute per field, None when off
@@ -158,13 +160,16 @@ class MoE(nnx.Module):
         value = jax.tree.map(one, value, getattr(specs, field.name), is_leaf=is_quantized)
       setattr(self, field.name, nnx.data(value))
     self.slot_major = isinstance(params, SlotParams)
+    self.placement_id = params.placement_id if self.slot_major else None
 
   def moe_params(self) -> MoEParams:
     """The parameters as a `MoEParams` of arrays (what `moe_layer` takes); `SlotParams`
     when the experts are slot-major."""
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEParams)}
-    kind = SlotParams if self.slot_major else MoEParams
-    return kind(**jax.tree.map(lambda v: v[...], fields, is_leaf=_is_variable))
+    fields = jax.tree.map(lambda v: v[...], fields, is_leaf=_is_variable)
+    if not self.slot_major:
+      return MoEParams(**fields)
+    return SlotParams(**fields, placement_id=self.placement_id)
 
   def __call__(
     self,
@@ -217,15 +222,20 @@ class MoE(nnx.Module):
           "(this MoE itself when it is the whole model; got model=None)"
         )
       path = _path_in(model, self)
+      params = self.moe_params()
       paths = self._expert_paths()
       is_path = lambda x: isinstance(x, tuple)
       for group in _expert_states(optimizer.opt_state, path + ("experts",)):
-        values = jax.tree.map(lambda at, g=group: g[at][...], paths, is_leaf=is_path)
-        # The moments in the parameters' place (MoEParams, or SlotParams when slot-major).
-        moments = dataclasses.replace(self.moe_params(), experts=values)
-        moved = self._replicate(moments, placement, previous).experts
-        for at, value in zip(jax.tree.leaves(paths, is_leaf=is_path), jax.tree.leaves(moved)):
-          group[at].set_value(value)
+        # The moments in the parameters' place (MoEParams, or SlotParams when slot-major);
+        # a leaf the optimizer holds no state of (a quantized matrix, frozen: not an
+        # nnx.Param) keeps the parameter's value, moved and dropped.
+        own = lambda at, a, g=group: g[at][...] if at in g else a
+        values = jax.tree.map(own, paths, params.experts, is_leaf=is_path)
+        moved = self._replicate(dataclasses.replace(params, experts=values), placement, previous)
+        flat = zip(jax.tree.leaves(paths, is_leaf=is_path), jax.tree.leaves(moved.experts))
+        for at, value in flat:
+          if at in group:
+            group[at].set_value(value)
     self._set_params(self._replicate(self.moe_params(), placement, previous))
 
   def logical_params(self, placement: Placement) -> MoEParams:
@@ -257,12 +267,21 @@ def _path_in(model, module):
 
 def _expert_states(opt_state, prefix):
   """{leaf path under prefix: the optimizer variable} for each state of `opt_state` that
-  holds the variables under `prefix` (a model path), e.g. Adam's mu and nu."""
-  groups = {}
-  for path, var in jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=_is_variable):
-    keys = tuple(getattr(k, "key", None) for k in path)
-    for i in range(len(keys) - len(prefix) + 1):
-      if keys[i : i + len(prefix)] == prefix:
-        groups.setdefault(path[:i], {})[tuple(str(k) for k in keys[i + len(prefix) :])] = var
-        break
-  return list(groups.values())
+  holds the variables under `prefix` (a model path), e.g. Adam's mu and nu.
+
+  Each `nnx.State` of the optimizer (a tree of the model's variables, paths from the
+  model's root) is matched at its root: another module whose path ends with the same names
+  (`model.sub.moe` for `model.moe`) is not this one."""
+  is_state = lambda x: isinstance(x, nnx.State)
+  groups = []
+  for state in jax.tree.leaves(opt_state, is_leaf=lambda x: is_state(x) or _is_variable(x)):
+    if not is_state(state):
+      continue
+    group = {}
+    for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_variable):
+      keys = tuple(getattr(k, "key", None) for k in path)
+      if keys[: len(prefix)] == prefix:
+        group[tuple(str(k) for k in keys[len(prefix) :])] = var
+    if group:
+      groups.append(group)
+  return groups

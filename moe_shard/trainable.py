@@ -34,8 +34,8 @@ def trainable_mask(tree: Any) -> Any:
   splits a tree by it.
 
   Args:
-    tree: any pytree: a `MoEParams` (or a stack of them), an Equinox module holding one, a
-      dict of them.
+    tree: any pytree: a `MoEParams` or `SlotParams` (or a stack of them), an Equinox
+      module holding one, a dict of them.
 
   Returns:
     a pytree of bools with the structure of `tree` (a `QuantizedArray` of two bools where
@@ -48,11 +48,12 @@ def trainable_mask(tree: Any) -> Any:
     if is_adapter(x):
       return dataclasses.replace(x, w=jax.tree.map(lambda _: False, x.w), a=one(x.a), b=one(x.b))
     if isinstance(x, MoEParams):
-      fields = {
+      fields = {  # the arrays' fields (a SlotParams keeps its type and placement)
         f.name: jax.tree.map(one, getattr(x, f.name), is_leaf=_is_node)
-        for f in dataclasses.fields(x)
+        for f in dataclasses.fields(MoEParams)
       }
-      return MoEParams(**{**fields, "router_bias": None if x.router_bias is None else False})
+      bias = None if x.router_bias is None else False
+      return dataclasses.replace(x, **{**fields, "router_bias": bias})
     return True
 
   return jax.tree.map(one, tree, is_leaf=_is_node)

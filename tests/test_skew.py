@@ -31,7 +31,7 @@ from test_layer_oracle import AUTO, DE, ED, EXPLICIT, _mesh, _oracle_key, _place
 
 import moe_shard as ms
 from moe_shard import replica_rule as rule_lib
-from moe_shard import replicas, sharding
+from moe_shard import sharding, slot_moves
 
 PLACEMENTS = {
   "one_hot": [0, 1, 2, 3, 4, 0, 5, 6, 0, 7, 0, 0],
@@ -309,7 +309,7 @@ def test_replicate_experts_and_moving_between_placements():
   # Slots whose expert stays come from themselves (0-2); slot 3 (expert 0, device 1) from
   # slot 5, which held expert 0 on device 1; slot 4 (expert 1: none on device 1) from the
   # first slot that held it, 1.
-  dev, row = replicas._sources(second, first, 4, 3)
+  dev, row = slot_moves.sources(second, first, 4, 3)
   src = dev * 3 + row
   assert list(src[:3]) == [0, 1, 2] and src[3] == 5 and src[4] == 1
 

@@ -29,6 +29,7 @@ from moe_shard.hf.layouts import fp8_block, stored, stored_kept
 from moe_shard.hf.mxfp4 import quantize as quantize_mxfp4
 from moe_shard.params import MoEParams
 from moe_shard.quant import is_quantized
+from moe_shard.replicas import SlotParams
 
 
 def _write_formats(fn, block, lay, cfg, quantized, like):
@@ -82,24 +83,31 @@ def save_moe_layers(
     path: the output folder (created; must not be `like`).
     cfg: the `MoEConfig` of `params` (as loaded).
     params: `MoEParams` with every leaf stacked on a leading axis of len(layers), e.g. from
-      `load_moe_layers`; each array must be fully addressable by this process.
+      `load_moe_layers`; each array must be fully addressable by this process. The
+      logical experts: slot-major `SlotParams` are refused (`logical_params` first).
     like: the checkpoint folder the blocks came from.
     layers: the decoder layers of the stack (default None: every MoE layer of `like`).
 
   Raises:
+    TypeError: `params` not `MoEParams`, or slot-major `SlotParams`.
     ValueError: `path` is `like`, the stack length differs from len(layers), a block-FP8
       value does not fit its stored scale, a `QuantizedArray` in a format other than the one
       `like` stores its tensor in ("int8", MXFP4 where `like` stores FP8 or floats, ...), or
       as `load_moe_layer` for `like`.
   """
   fn = "save_moe_layers"
+  if not isinstance(params, MoEParams):
+    raise TypeError(f"{fn}: params must be a MoEParams (got {type(params).__name__})")
+  if isinstance(params, SlotParams):
+    raise TypeError(
+      f"{fn}: params must hold the logical experts [E, ...]; got slot-major SlotParams "
+      f"([S, ...] replicas): write ms.logical_params(params, placement) instead"
+    )
   block = open_block(fn, like)
   if Path(path).resolve() == Path(like).resolve():
     raise ValueError(f"{fn}: path must differ from like (got {str(path)!r} for both)")
   layers = block.moe_layers() if layers is None else list(layers)
   layers = [check_layer(fn, block, i) for i in layers]
-  if not isinstance(params, MoEParams):
-    raise TypeError(f"{fn}: params must be a MoEParams (got {type(params).__name__})")
   leaves = named_leaves(params, is_leaf=is_quantized)
   for k, a in leaves.items():
     if a.ndim == 0 or a.shape[0] != len(layers):

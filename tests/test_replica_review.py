@@ -1,0 +1,302 @@
+"""Slot-major parameters around the layer: the conversion helpers and the frameworks.
+
+On `jax.make_mesh`'s default (Explicit) 2x4 mesh, E = 8 experts over S = 12 slots:
+
+  * gradients through `replicate_experts` (logical and between placements) and
+    `logical_params` keep the slot convention: the logical run's gradient, every slot of an
+    expert holding the expert's whole gradient;
+  * slot parameters are tied to their placement: another placement of the same S is refused
+    by every function that knows it on the host;
+  * bfloat16 gradients of an expert with 25 replicas are summed in float32: no worse than
+    the logical bfloat16 gradient against float32;
+  * `trainable_mask` / `split_trainable`, `eqx.partition`, `optax.multi_transform` on
+    `SlotParams`, and `move_replicas` on a state whose slot parameters hold no expert leaves;
+  * the helpers without `mesh=` outside `jax.set_mesh`, on arrays of an Explicit mesh;
+    stacked layers (a scanned model); `LoadWindow.record` inside jit; `hf.save_moe_layers`;
+  * NNX: the optimizer state of another module with the same path ending stays; quantized
+    experts with a bias and adapters move with their optimizer state.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_skew import PLACEMENTS, E
+
+import moe_shard as ms
+
+S, N = 12, 4
+CFG = ms.MoEConfig(
+  d_model=16, d_ff=32, num_experts=E, top_k=2, impl="all_to_all", gmm_impl="ragged_dot"
+)
+
+
+def _placement(name):
+  return ms.Placement.from_phy2log(np.array(PLACEMENTS[name]), E)
+
+
+A, B = _placement("one_hot"), _placement("one_chip")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((2, N), ("data", "expert"))  # the default: Explicit axes
+
+
+@pytest.fixture(scope="module")
+def setup(mesh):
+  params = ms.init_moe_params(jax.random.key(0), CFG, mesh=mesh)
+  with jax.set_mesh(mesh):
+    x = jax.random.normal(jax.random.key(1), (8, 2, CFG.d_model))
+    ct = jax.random.normal(jax.random.key(2), (8, 2, CFG.d_model))
+  return params, x, ct
+
+
+@pytest.fixture(scope="module")
+def grads(mesh, setup):
+  """The compiled gradients: logical, through replicate_experts, and of the slots."""
+  params, x, ct = setup
+
+  def loss(p, placement):
+    y, aux = ms.moe_layer(p, x, CFG, mesh, placement=placement)
+    return jnp.sum(y * ct) + aux["aux_loss"]
+
+  with jax.set_mesh(mesh):
+    logical = jax.jit(jax.grad(lambda p: loss(p, None)))(params)
+    through = jax.jit(jax.grad(lambda p: loss(ms.replicate_experts(p, A, mesh=mesh), A)))(params)
+    slots_a = ms.replicate_experts(params, A, mesh=mesh)
+    moved = lambda s: ms.replicate_experts(s, B, mesh=mesh, previous=A)
+    between = jax.jit(jax.grad(lambda s: loss(moved(s), B)))(slots_a)
+  return dict(logical=logical, through=through, between=between, slots_a=slots_a)
+
+
+def _close(got, want, rtol=2e-5, atol=2e-6):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+
+
+def test_grad_through_replicate_experts_is_the_logical_gradient(grads):
+  # The tie gives each slot the whole gradient; replicate_experts' rule takes the mean of
+  # its expert's slots (the gather's transpose alone would add the replicas again).
+  _close(grads["through"], grads["logical"])
+
+
+def test_grad_through_a_move_gives_every_old_slot_its_experts_gradient(grads):
+  phy2log = np.asarray(A.phy2log)
+  want = jax.tree.map(lambda g: np.asarray(g)[phy2log], grads["logical"].experts)
+  _close(grads["between"].experts, want)
+  _close(grads["between"].router_DE, grads["logical"].router_DE)
+
+
+def test_a_term_on_logical_params_reaches_every_slot(mesh, grads):
+  # An L2 penalty on the logical experts: every slot of expert e gets 2 * w_e, so the
+  # replicas stay equal (it reached only each expert's first slot).
+  slots = grads["slots_a"]
+  with jax.set_mesh(mesh):
+    penalty = lambda s: sum(
+      jnp.sum(a**2) for a in jax.tree.leaves(ms.logical_params(s, A, mesh=mesh).experts)
+    )
+    got = jax.jit(jax.grad(penalty))(slots)
+  _close(got.experts, jax.tree.map(lambda w: 2 * np.asarray(w), slots.experts))
+
+
+def test_slots_are_refused_with_another_placement(mesh, setup, grads):
+  _, x, _ = setup
+  slots = grads["slots_a"]
+  assert slots.placement_id == ms.slot_moves.placement_id(A) != ms.slot_moves.placement_id(B)
+  rule = r"placement must be the placement the SlotParams were made for.*fingerprint"
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=r"moe_layer: " + rule):
+      ms.moe_layer(slots, x, CFG, mesh, placement=B)
+    with pytest.raises(ValueError, match=r"logical_params: " + rule):
+      ms.logical_params(slots, B, mesh=mesh)
+    with pytest.raises(ValueError, match=r"logical_global_norm: " + rule):
+      ms.logical_global_norm(slots, B)
+    with pytest.raises(ValueError, match=r"replicate_experts: previous must be the placement"):
+      ms.replicate_experts(slots, A, mesh=mesh, previous=B)
+    with pytest.raises(ValueError, match=r"replicate_experts: previous must be the placement"):
+      ms.move_replicas((slots, {"mu": slots}), A, previous=B, mesh=mesh)
+    # Their own placement, and a placement traced inside jit (nothing known to check), pass.
+    assert float(ms.logical_global_norm(slots, A)) > 0
+    arrays = tuple(jnp.asarray(a) for a in (A.phy2log, A.log2phy, A.logcnt))
+    norm = jax.jit(lambda s, arrays: ms.logical_global_norm(s, ms.Placement(*arrays)))
+    np.testing.assert_allclose(norm(slots, arrays), ms.logical_global_norm(slots, A), rtol=1e-6)
+    # Gradients and optimizer moments carry the placement; moved, the new one.
+    assert grads["between"].placement_id == slots.placement_id
+    state = optax.adam(1e-2).init(slots)
+    moved = ms.move_replicas(state, B, previous=A, mesh=mesh)
+    assert moved[0].mu.placement_id == ms.slot_moves.placement_id(B)
+
+
+def test_bfloat16_replica_sums_are_as_exact_as_the_logical_gradient(mesh):
+  # Expert 0 in 25 of 32 slots and the router sending it most items: its slot gradient is
+  # the sum of 25 replicas' bfloat16 gradients, summed in float32 and rounded once.
+  phy2log = np.array([0] * 6 + [1, 2] + [0] * 6 + [3, 4] + [0] * 6 + [5, 6] + [0] * 7 + [7])
+  many = ms.Placement.from_phy2log(phy2log, E)
+  assert int(many.logcnt[0]) == 25
+  cfg32 = dataclasses.replace(CFG, d_model=32, d_ff=64)
+  cfg16 = dataclasses.replace(cfg32, param_dtype=jnp.bfloat16)
+  with jax.set_mesh(mesh):
+    p32 = ms.init_moe_params(jax.random.key(3), cfg32, mesh=mesh)
+    p32 = dataclasses.replace(p32, router_DE=p32.router_DE.at[:, 0].add(1.0))
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
+    x = jax.random.normal(jax.random.key(4), (32, 8, cfg32.d_model))
+    ct = jax.random.normal(jax.random.key(5), x.shape)
+
+    def grad(cfg, params, placement):
+      def loss(p):
+        y, _ = ms.moe_layer(p, x.astype(cfg.param_dtype), cfg, mesh, placement=placement)
+        return jnp.sum(y.astype(jnp.float32) * ct)
+
+      return jax.jit(jax.grad(loss))(params).experts.gate_EDF
+
+    want = np.asarray(grad(cfg32, p32, None), np.float32)[0]
+    logical = np.asarray(grad(cfg16, p16, None), np.float32)[0]
+    slots = grad(cfg16, ms.replicate_experts(p16, many, mesh=mesh), many)
+  slots = np.asarray(slots, np.float32)
+  np.testing.assert_array_equal(slots[phy2log == 0], np.broadcast_to(slots[0], (25, 32, 64)))
+  err_logical = np.linalg.norm(logical - want)
+  err_slots = np.linalg.norm(slots[0] - want)
+  print(f"bf16 error against float32: slots {err_slots:.3e}, logical {err_logical:.3e}")
+  assert err_slots <= 1.1 * err_logical, (err_slots, err_logical)
+
+
+def _quantized_adapters(mesh, cfg):
+  params = ms.init_moe_params(jax.random.key(0), cfg, mesh=mesh)
+  params = ms.quantize_experts(params, "int8")
+  return ms.add_adapters(params, rank=2, key=jax.random.key(1), targets=("gate_EDF",))
+
+
+def test_trainable_mask_and_optimizers_on_slot_params(mesh):
+  eqx = pytest.importorskip("equinox")
+  with jax.set_mesh(mesh):
+    slots = ms.replicate_experts(_quantized_adapters(mesh, CFG), A, mesh=mesh)
+    mask = ms.trainable_mask(slots)
+    assert isinstance(mask, ms.SlotParams) and mask.placement_id == slots.placement_id
+    trainable, frozen = ms.split_trainable(slots)
+    assert jax.tree.structure(ms.merge_trainable(trainable, frozen)) == jax.tree.structure(slots)
+    assert jax.tree.structure(eqx.partition(slots, mask)[0]) == jax.tree.structure(trainable)
+    tx = optax.multi_transform({True: optax.adam(1e-2), False: optax.set_to_zero()}, mask)
+    state = tx.init(slots)
+    updates, state = tx.update(jax.tree.map(jnp.zeros_like, slots), state, slots)
+    assert jax.tree.structure(updates) == jax.tree.structure(slots)
+    # The experts frozen whole (no adapters): the optimizer's SlotParams hold no expert
+    # leaves, and move_replicas passes them through (with the new placement's fingerprint).
+    plain = ms.replicate_experts(
+      ms.quantize_experts(ms.init_moe_params(jax.random.key(0), CFG, mesh=mesh), "int8"),
+      A,
+      mesh=mesh,
+    )
+    labels = lambda p: ms.trainable_mask(p)
+    tx = optax.multi_transform({True: optax.adam(1e-2), False: optax.set_to_zero()}, labels)
+    state = tx.init(plain)
+    moved = ms.move_replicas((plain, state), B, previous=A, mesh=mesh)
+  assert jax.tree.structure(moved[1]) == jax.tree.structure(tx.init(moved[0]))
+
+
+def test_helpers_without_a_mesh_take_the_arrays_mesh(mesh, setup):
+  # Outside jax.set_mesh, no mesh=: the arrays' own (Explicit) mesh, not the default device.
+  params, _, _ = setup
+  slots = ms.replicate_experts(params, A)
+  gate = slots.experts.gate_EDF
+  assert gate.sharding.spec[0] == "expert" and gate.sharding.mesh == mesh
+  np.testing.assert_array_equal(gate, np.asarray(params.experts.gate_EDF)[np.asarray(A.phy2log)])
+  moved = ms.move_replicas(slots, B, previous=A)
+  np.testing.assert_array_equal(
+    moved.experts.gate_EDF, np.asarray(params.experts.gate_EDF)[np.asarray(B.phy2log)]
+  )
+  back = ms.logical_params(moved, B)
+  np.testing.assert_array_equal(back.experts.gate_EDF, params.experts.gate_EDF)
+
+
+def test_stacked_layers_move_and_scan(mesh):
+  # Two layers stacked ([L, ...], a scanned model) on a placement of two layers.
+  layers = [ms.init_moe_params(jax.random.key(i), CFG, mesh=mesh) for i in range(2)]
+  stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+  two = ms.Placement.from_phy2log(np.stack([PLACEMENTS["one_hot"], PLACEMENTS["one_chip"]]), E)
+  other = ms.Placement.from_phy2log(np.stack([PLACEMENTS["only_replicas"]] * 2), E)
+  with jax.set_mesh(mesh):
+    slots = ms.replicate_experts(stack, two, mesh=mesh)
+    for i in range(2):
+      one = ms.replicate_experts(layers[i], two[i], mesh=mesh)
+      _close(jax.tree.map(lambda a, i=i: a[i], slots.experts), one.experts, 0, 0)
+    x = jax.random.normal(jax.random.key(1), (8, 2, CFG.d_model))
+
+    def run(params, placement):
+      def layer(x, args):
+        p, pl = args
+        return ms.moe_layer(p, x, CFG, mesh, placement=pl)[0], None
+
+      return jax.lax.scan(layer, x, (params, placement))[0]
+
+    y = jax.jit(run)(slots, two)
+    y_logical = jax.jit(
+      lambda p: jax.lax.scan(lambda x, p: (ms.moe_layer(p, x, CFG, mesh)[0], None), x, p)[0]
+    )(stack)
+    _close(y, y_logical, 1e-5, 1e-5)
+    moved = ms.move_replicas(slots, other, previous=two, mesh=mesh)
+    back = ms.logical_params(moved, other, mesh=mesh)
+    # A layer sliced from the stack runs on that layer's placement (checked), not another's.
+    first = jax.tree.map(lambda a: a[0], slots)
+    ms.moe_layer(first, x, CFG, mesh, placement=two[0])
+    with pytest.raises(ValueError, match=r"moe_layer: placement must be the placement"):
+      ms.moe_layer(first, x, CFG, mesh, placement=other[0])
+  _close(back, stack, 0, 0)
+
+
+def test_load_window_record_inside_jit_is_named():
+  window = ms.LoadWindow(num_experts=E)
+  with pytest.raises(TypeError, match=r"LoadWindow.record: .*runs on the host"):
+    jax.jit(window.record)(jnp.ones(E, jnp.int32))
+
+
+def test_save_moe_layers_refuses_slot_params(tmp_path, setup):
+  from moe_shard import hf
+
+  params, _, _ = setup
+  slots = ms.replicate_experts(params, A)
+  with pytest.raises(TypeError, match=r"save_moe_layers: .*SlotParams.*logical_params"):
+    hf.save_moe_layers(tmp_path / "out", CFG, slots, like=tmp_path / "like")
+
+
+def test_nnx_moves_only_its_own_modules_optimizer_state(mesh):
+  nnx = pytest.importorskip("flax.nnx")
+  from moe_shard.nnx import MoE
+
+  class Inner(nnx.Module):
+    def __init__(self):
+      self.moe = MoE(CFG, rngs=nnx.Rngs(1), mesh=mesh)
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.moe = MoE(CFG, rngs=nnx.Rngs(0), mesh=mesh)
+      self.sub = Inner()
+
+  with jax.set_mesh(mesh):
+    model = Model()
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    model.moe.replicate_experts(A, optimizer=optimizer, model=model)
+  mu = optimizer.opt_state[0].mu
+  assert mu["moe"]["experts"]["gate_EDF"][...].shape[0] == S
+  assert mu["sub"]["moe"]["experts"]["gate_EDF"][...].shape[0] == E  # another module's
+
+
+def test_nnx_quantized_experts_with_bias_and_adapters_move_their_state(mesh):
+  nnx = pytest.importorskip("flax.nnx")
+  from moe_shard.nnx import MoE
+
+  cfg = dataclasses.replace(CFG, expert_bias=True)
+  with jax.set_mesh(mesh):
+    moe = MoE.from_params(cfg, _quantized_adapters(mesh, cfg), mesh=mesh)
+    optimizer = nnx.Optimizer(moe, optax.adam(1e-2), wrt=nnx.Param)
+    moe.replicate_experts(A, optimizer=optimizer, model=moe)
+    moe.replicate_experts(B, previous=A, optimizer=optimizer, model=moe)
+  experts = optimizer.opt_state[0].mu["experts"]
+  is_var = lambda v: isinstance(v, nnx.Variable)
+  leaves = jax.tree_util.tree_leaves_with_path(experts, is_leaf=is_var)
+  shapes = {jax.tree_util.keystr(k): v[...].shape[0] for k, v in leaves}
+  assert shapes and set(shapes.values()) == {S}, shapes
+  assert moe.experts.gate_EDF.w.values[...].shape[0] == S
