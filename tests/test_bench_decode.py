@@ -181,7 +181,7 @@ def tpu_row(**kw):
   return dict(
     level="layer", T=64, D=8, F=8, K=2, E=8, routing="uniform", mode="fwd", impl="auto",
     dtype="bfloat16", mesh="8x1", devices=8, topology="v5e:2x4", xla_optimal_s=1e-3,
-    xla_optimal_scaled_s=1e-3, roofline_s=5e-4, compute_s=1e-4, hbm_s=5e-4, ici_s=1e-5,
+    estimate_s=5e-4, roofline_s=4.5e-4, compute_s=1e-4, hbm_s=5e-4, ici_s=1e-5,
     hbm_bytes_xla=4e8, hbm_bytes_accessed=4e8, flops_ratio=1.0, wire_bytes=2**20,
     bytes_over_bound=1.0, bytes_over_routing_bound=1.0, temp_bytes=0, rounds=1, dropped=0,
     compile_s=1.0, bound_s=4e-4, **kw,
@@ -191,45 +191,25 @@ def tpu_row(**kw):
 def test_the_table_prints_the_time_over_the_bound():
   row = tpu_row()
   text = report.table([row])
-  head = "bound ms (roofline/bound, less VMEM prefetches, + latency; visited groups)"
-  assert head in text and "| 0.4 (1.25) |" in text
-  # Less VMEM prefetches (0.44 ms), and that plus 3 collectives' 4 us each (0.452 ms).
-  both = tpu_row(roofline_no_prefetch_s=4.4e-4, dependent_collectives=3, latency_s=1.2e-5)
-  assert "| 0.4 (1.25, 1.10, 1.13) |" in report.table([both])
-  # With the grouped matmuls' weights counted for the groups their grids visit (0.4 ms).
-  seen = dict(both, roofline_expected_s=4.0e-4)
-  assert "| 0.4 (1.25, 1.10, 1.13; 1.03) |" in report.table([seen])
-  cpu = {k: v for k, v in row.items() if k not in ("topology", "roofline_s")}
+  assert "bound ms (estimate/bound, + latency)" in text and "| 0.4 (1.25) |" in text
+  # The one count plus 3 collectives' 4 us each (0.512 ms).
+  both = tpu_row(dependent_collectives=3, latency_s=1.2e-5)
+  assert "| 0.4 (1.25, 1.28) |" in report.table([both])
+  cpu = {k: v for k, v in row.items() if k not in ("topology", "estimate_s", "roofline_s")}
   cpu.update(time_s=dict(median=8e-4, min=8e-4, max=9e-4), gflops=1.0)
   assert "bound ms (time/bound)" in report.table([cpu]) and "(2.00)" in report.table([cpu])
 
 
-def test_expected_hbm_bytes_skip_the_weights_of_groups_no_row_reaches():
-  """16 experts on 4 devices: the routing reaches 3 of the busiest device's 4, so the
-  local-expert kernel's grid skips a quarter of its matrices' bytes."""
+def test_visited_groups_are_the_busiest_devices_rows_per_local_expert():
+  """16 experts on 4 devices: device 0 (experts 0-3) gets the most rows; its groups are the
+  rows each of its experts gets, one of them none (the grid skips that group)."""
   import types
 
-  cost = '"cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"200000"}'
-  hlo = f"""HloModule m
-
-ENTRY %main (n: s32[], o: s32[5], g: s32[6], t: s32[6], x: bf16[64,128], v: s8[4,128,256]) -> bf16[64,256] {{
-  %n = s32[] parameter(0)
-  %o = s32[5]{{0}} parameter(1)
-  %g = s32[6]{{0}} parameter(2)
-  %t = s32[6]{{0}} parameter(3)
-  %x = bf16[64,128]{{1,0}} parameter(4)
-  %v = s8[4,128,256]{{2,1,0}} parameter(5)
-  ROOT %y = bf16[64,256]{{1,0}} custom-call(%n, %o, %g, %t, %x, %v), custom_call_target="tpu_custom_call", backend_config={{{cost}}}
-}}
-"""
-  experts_TK = np.array([[0, 1], [2, 5], [9, 0]])  # device 0: experts 0, 1, 2 of 0..3
-  case = types.SimpleNamespace(
-    level="layer", E=16, mesh=types.SimpleNamespace(shape={ms.EXPERT: 4}), experts_TK=experts_TK
-  )
-  row = dict(hbm_bytes_no_prefetch=1e6, compute_s=1e-9, ici_s=1e-9)
-  got = row_facts.expected_roofline(row, case, hlo, {}, "v5e:2x4")
-  assert got["hbm_bytes_expected"] == 1e6 - 4 * 128 * 256 / 4
-  assert got["roofline_expected_s"] == pytest.approx(got["hbm_bytes_expected"] / 819e9)
+  experts_TK = np.array([[0, 1], [2, 5], [9, 0]])
+  mesh = types.SimpleNamespace(shape={ms.EXPERT: 4})
+  case = types.SimpleNamespace(E=16, mesh=mesh, experts_TK=experts_TK, placement=None)
+  assert row_facts.visited_groups(case) == {4: [2, 1, 1, 0]}
+  assert row_facts.visited_groups(types.SimpleNamespace(**{**vars(case), "placement": 1})) is None
 
 
 def test_results_files_merge_with_every_command(tmp_path, capsys):

@@ -535,17 +535,18 @@ def _copy_loop(x, count):
 
 
 @pytest.mark.parametrize("trips", [0, 1, 5])
-def test_executed_bytes_scale_loop_bodies_by_their_trip_counts(trips):
+def test_step_bytes_scale_loop_bodies_by_their_trip_counts(trips):
   from bench.reading import hbm
 
   M, K = 128, 256
   compiled = measure.compile_fn(_copy_loop, _spec((M, K)), _spec((), jnp.int32))
-  got = hbm.executed_bytes(compiled, {"copy_steps": trips})
-  assert got["xla"] == measure.bytes_accessed(compiled) > 0
-  # The body's kernel reads and writes M*K f32 per step (plus the 4-byte counter): XLA
-  # counts it once, whatever the trip count.
+  got = hbm.step_bytes(compiled, {"copy_steps": trips})
+  assert got["xla"] == measure.bytes_accessed(compiled) > 0  # a reference column
+  # The body's kernel reads and writes M*K f32 per step (plus the 4-byte counter), once
+  # per trip, by the one model.
   step = 2 * 4 * M * K
-  assert got["executed"] - got["xla"] == pytest.approx((trips - 1) * step, rel=0.01)
+  never = hbm.step_bytes(compiled, {"copy_steps": 0})["hbm"]
+  assert got["hbm"] - never == pytest.approx(trips * step, rel=0.01)
   (body,) = [
     r
     for r in hbm.op_bytes(compiled, {"copy_steps": trips})

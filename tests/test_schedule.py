@@ -3,7 +3,7 @@ an asynchronous all-gather whose window holds a matmul and a synchronous all-to-
 
 import pytest
 
-from bench.reading import schedule
+from bench.reading import schedule, tpu
 
 _DEVICES = "replica_groups={{0,1,2,3,4,5,6,7}}"
 HLO = f"""HloModule m, is_scheduled=true
@@ -42,7 +42,9 @@ def test_an_async_collective_is_covered_by_its_window_and_a_sync_one_by_nothing(
 
 
 def test_a_row_takes_the_share_exposed_of_its_own_link_time():
-  row = {"ici_s": 2e-3}
-  got = schedule.exposed_row(HLO, row, "v5e:2x4")
-  assert 0.0 < got["ici_exposed_s"] <= 2e-3
-  assert schedule.exposed_row(HLO, row, "v3:2x2") == {}  # no cited peaks: nothing said
+  from bench.reading import estimate
+
+  got = estimate.step_estimate(HLO, "v5e:2x4", ici_bytes=200e9 * 2e-3)  # 2 ms of link
+  assert got["ici_s"] == pytest.approx(2e-3) and 0.0 < got["ici_exposed_s"] <= 2e-3
+  own = schedule.exposed_link(HLO, tpu.PEAKS["v5e"])
+  assert got["ici_exposed_s"] == pytest.approx(2e-3 * own["exposed_s"] / own["link_s"])

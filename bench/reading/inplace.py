@@ -64,6 +64,12 @@ def _slice_bytes(mod, ins, types):
   return size([indices]) + update + (0 if _assigns(mod, ins) else update), update
 
 
+def _operand_bytes(ins, types):
+  """The bytes of an update's operands other than its buffers (update, offsets, indices)."""
+  buffers = _buffer_operands(ins)
+  return sum(hlo_ops.shape_bytes(types.get(o, "")) for o in ins.operands if o not in buffers)
+
+
 def _buffer_operands(ins):
   if ins.opcode == "dynamic-update-slice":
     return ins.operands[:1]
@@ -100,9 +106,12 @@ def _fusion_updates(mod, ins):
       params.append(int(src.args))
     if not params:
       continue
+    # The update and offsets are the fusion's other operands (read whole there); of the
+    # buffer, a combining scatter reads the rows it updates.
     read, written = _slice_bytes(mod, el, types)
+    combined = read - _operand_bytes(el, types)
     for k, p in enumerate(params):  # a variadic scatter's bytes go to its first buffer
-      found[p] = (read, written) if k == 0 else (0.0, 0.0)
+      found[p] = (combined, written) if k == 0 else (0.0, 0.0)
     replaced += hlo_ops.shape_bytes(el.type)
   return found, replaced
 
