@@ -95,22 +95,6 @@ ENTRY %main (b: f32[64,1024], i: s32[2,1], u: f32[2,1024]) -> f32[64,1024] {
   assert "| scatter s |" in inplace.table(text) and "| yes |" in inplace.table(text)
 
 
-def test_a_prefetch_into_vmem_counts_once():
-  text = """HloModule m
-
-ENTRY %main (x: bf16[8,256], w: s8[256,512]) -> bf16[8,512] {
-  %x = bf16[8,256]{1,0} parameter(0)
-  %w = s8[256,512]{1,0} parameter(1)
-  %cs = (s8[256,512]{1,0:S(1)}, s8[256,512]{1,0}, u32[]) copy-start(%w)
-  %cd = s8[256,512]{1,0:S(1)} copy-done(%cs)
-  ROOT %dot = bf16[8,512]{1,0} fusion(%x, %cd), kind=kOutput, calls=%f
-}
-"""
-  # The weight read from HBM once (by its prefetch); the matmul reads x, writes y.
-  w, x, y = 256 * 512, 8 * 256 * 2, 8 * 512 * 2
-  assert hbm.step_bytes(text)["hbm"] == w + x + y
-
-
 def test_loop_bodies_count_by_one_model_and_xlas_bytes_are_a_column():
   cost = {"bytes accessed": 123456.0}  # what XLA said, body once by its own rules
   got = estimate.step_estimate(LOOP, "v5e:2x4", cost=cost)

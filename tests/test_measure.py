@@ -593,6 +593,8 @@ ENTRY %main (x: bf16[8,256], w: s8[256,512]) -> bf16[8,512] {
   # The copy reads HBM and writes VMEM; the matmul reads x from HBM and w from VMEM.
   assert rows["copy-done"]["read"] == rows["copy-done"]["written"] == rows["copy-done"]["vmem"] == w
   assert rows["fusion"]["read"] == 8 * 256 * 2 + w and rows["fusion"]["vmem"] == w
+  # The one count: the weight read from HBM once (by its prefetch), x read, y written.
+  assert hbm.step_bytes(text)["hbm"] == w + 8 * 256 * 2 + 8 * 512 * 2
 
 
 def test_an_eviction_out_of_vmem_reads_vmem():
