@@ -356,8 +356,8 @@ def by_scope(rows, depth=2):
 
 
 def table(compiled, trip_counts=None, top=15, **visit):
-  """A Markdown report: the one count, per-scope totals and the `top` ops (an in-place
-  update marked "in place")."""
+  """A Markdown report: the one count, per-scope totals, the `top` ops (an in-place update
+  marked "in place") and the program's updates of 1 MB or more, in place or not."""
   every = op_bytes(compiled, trip_counts, **visit)
   counts = step_bytes(compiled, trip_counts, every)
   rows = [r for r in every if r["total"] > 0]
@@ -378,4 +378,6 @@ def table(compiled, trip_counts=None, top=15, **visit):
       f"| {r['opcode']} {r['name']}{mark} | {r['scope'] or '-'} | {r['shape'][:60]} | "
       f"{r['runs']:g} | {r['total'] / gb:.3f} | {r['total'] / total:.1%} |"
     )
-  return "\n".join(lines) + "\n"
+  updates = inplace.table(compiled, trip_counts, min_bytes=1e6)
+  lines += ["", "Updates of 1 MB or more (`bench.reading.inplace`):", "", updates]
+  return "\n".join(lines)

@@ -142,10 +142,11 @@ def update_bytes(mod, ins, types):
   return read, written
 
 
-def table(compiled_or_text, trip_counts=None):
+def table(compiled_or_text, trip_counts=None, min_bytes=0.0):
   """A Markdown table of a program's updates (dynamic-update-slice and scatter, unfused or a
-  fusion's root): each op, its buffer, whether it runs in place, and its bytes per run by
-  this rule and counted whole."""
+  fusion's root) whose operands and result come to `min_bytes` or more: each op, its
+  computation, whether it runs in place, and its bytes per run by this rule and counted
+  whole."""
   from bench.reading import hbm, measure
 
   mod = measure._module(compiled_or_text)
@@ -163,6 +164,8 @@ def table(compiled_or_text, trip_counts=None):
         continue
       whole = sum(hlo_ops.shape_bytes(types.get(o, "")) for o in ins.operands)
       whole += hlo_ops.shape_bytes(ins.type)
+      if whole < min_bytes:
+        continue
       got = update_bytes(mod, ins, types)
       lines.append(
         f"| {kind} {ins.name} | {comp} | {ins.type.split('{')[0][:48]} | "
