@@ -418,13 +418,13 @@ def _check_placement(fn, params, cfg, placement, n):
     return None, False
   placement = check_placement(fn, placement, cfg.num_experts, n)
   if served:
-    check_made_for(fn, "placement", params, placement)
     S = placement.num_slots
     first = jax.tree.leaves(params.experts)[0].shape[0]
     if first != S:
       raise ValueError(
         f"{fn}: params.experts must hold the placement's {S} slots on axis 0 (got {first})"
       )
+    check_made_for(fn, "placement", params, placement)
     # The slots checked as experts, by shape only (abstract zeros of E experts' shapes).
     E = cfg.num_experts
 

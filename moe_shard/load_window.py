@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_shard import _checks
+from moe_shard.placement import concrete
 
 
 class LoadWindow:
@@ -53,7 +54,7 @@ class LoadWindow:
         device arrays) a negative or non-finite value.
     """
     fn = "LoadWindow.record"
-    if isinstance(expert_load, jax.core.Tracer):
+    if not concrete(expert_load):
       raise TypeError(
         f"{fn}: expert_load must be a value, not traced: the window runs on the host, "
         f"outside jax.jit (return aux['expert_load'] from the step and record it after; "

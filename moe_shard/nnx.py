@@ -207,10 +207,12 @@ class MoE(nnx.Module):
       previous: the placement the experts are slot-major for (None, default: they are
         logical).
       optimizer: None (default), or the `nnx.Optimizer` of `model`: its state of this
-        module's experts (each `nnx.State` of it, e.g. Adam's mu and nu) moves the same way.
+        module's experts (each `nnx.State` of it, e.g. Adam's mu and nu) moves the same way;
+        leaves it holds no state of (quantized matrices: frozen) are skipped.
       model: the module `optimizer` was made for, holding this one (this one itself when
         it is the whole model); needed with `optimizer`: the optimizer's state is found by
-        this module's path in it.
+        this module's path in it, from the model's root (another module whose path ends
+        with the same names is left alone).
 
     Raises:
       ValueError: `optimizer` without `model`, or a `model` that does not hold this module.

@@ -141,7 +141,6 @@ def replicate_experts(
   placement, route = _route(fn, "placement", placement, mesh, axes, params)
   if served:
     previous, _ = _route(fn, "previous", previous, mesh, axes, params)
-    check_made_for(fn, "previous", params, previous)
     if previous.num_layers != placement.num_layers:
       raise ValueError(
         f"{fn}: previous and placement must have the same layers (got "
@@ -156,7 +155,11 @@ def replicate_experts(
       return slot_moves.to_slots(experts, placement, route)
     return slot_moves.between(experts, placement, previous, route)
 
-  experts = _by_layer(fn, params.experts, move, placement, previous, want, what)
+  def check():
+    if served:
+      check_made_for(fn, "previous", params, previous)
+
+  experts = _by_layer(fn, params.experts, move, placement, previous, want, what, check)
   fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(MoEParams)}
   return SlotParams(**dict(fields, experts=experts), placement_id=placement_id(placement))
 
@@ -181,12 +184,14 @@ def _route(fn, name, placement, mesh, axes, params):
   return placement, slot_moves.Route(mesh, n, axes)
 
 
-def _by_layer(fn, experts, move, placement, previous, want, what):
-  """`move(experts, placement, previous)` for one layer, or each layer of a stack, stacked.
+def _by_layer(fn, experts, move, placement, previous, want, what, check):
+  """`move(experts, placement, previous)` for one layer, or each layer of a stack, stacked,
+  after the shapes and `check()` (the placement the slots were made for).
 
   Experts with no leaves (frozen, out of an optimizer's state) come back as they are."""
   leaves = jax.tree.leaves(experts)
   if not leaves:
+    check()
     return experts
   L = placement.num_layers
   lead = (want,) if L is None else (L, want)
@@ -196,6 +201,7 @@ def _by_layer(fn, experts, move, placement, previous, want, what):
         f"{fn}: params.experts must hold {what} ({want}) on axis {len(lead) - 1}"
         f"{'' if L is None else f' after the {L} layers'} (got a leaf of shape {a.shape})"
       )
+  check()
   if L is None:
     return move(experts, placement, previous)
   layers = [
@@ -288,14 +294,15 @@ def logical_params(
     )
   axes = (expert_axis, expert_tensor_axis, expert_fsdp_axis)
   placement, route = _route(fn, "placement", placement, mesh, axes, params)
-  check_made_for(fn, "placement", params, placement)
+  check = lambda: check_made_for(fn, "placement", params, placement)
 
   def move(experts, placement, previous):
     del previous
     return slot_moves.to_logical(experts, placement, route)
 
   what = "the placement's slots"
-  experts = _by_layer(fn, params.experts, move, placement, None, placement.num_slots, what)
+  S = placement.num_slots
+  experts = _by_layer(fn, params.experts, move, placement, None, S, what, check)
   fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(MoEParams)}
   return MoEParams(**dict(fields, experts=experts))
 

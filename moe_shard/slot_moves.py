@@ -55,7 +55,7 @@ class Route:
 def arrays_mesh(tree, expert_axis):
   """The mesh the arrays of `tree` are placed on, when it has the expert axis; else None."""
   for a in jax.tree.leaves(tree):
-    sharding = getattr(jax.typeof(a), "sharding", None) if isinstance(a, jax.core.Tracer) else None
+    sharding = None if concrete(a) else getattr(jax.typeof(a), "sharding", None)
     sharding = getattr(a, "sharding", None) if sharding is None else sharding
     mesh = getattr(sharding, "mesh", None)
     names = getattr(mesh, "axis_names", ())

@@ -300,3 +300,15 @@ def test_nnx_quantized_experts_with_bias_and_adapters_move_their_state(mesh):
   shapes = {jax.tree_util.keystr(k): v[...].shape[0] for k, v in leaves}
   assert shapes and set(shapes.values()) == {S}, shapes
   assert moe.experts.gate_EDF.w.values[...].shape[0] == S
+
+
+def test_orbax_round_trip_keeps_the_placement(tmp_path, grads):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  slots = grads["slots_a"]
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "slots", slots)
+  checkpointer.wait_until_finished()
+  like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+  restored = checkpointer.restore(tmp_path / "slots", jax.tree.map(like, slots))
+  assert isinstance(restored, ms.SlotParams) and restored.placement_id == slots.placement_id
+  _close(restored, slots, 0, 0)
