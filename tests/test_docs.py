@@ -14,10 +14,11 @@ page is current.
   docs/guides/sharding.md runs as written on 2 local processes
   (`test_multihost_script_runs_on_two_processes`), and docs/guides/huggingface.md's first
   block lists call signatures (`path`, `layer`, `out` are placeholders), run with real
-  values by that page's next block.
+  values by that page's next block. docs/guides/maxtext.md's ```py block needs MaxText,
+  which CI does not install: tests/test_maxtext_block.py makes the same calls where it is.
 * The site builds with `mkdocs build --strict`, and its API page documents every name of
-  `moe_shard.__all__` and of the `__all__` of `moe_shard.hf`, `moe_shard.nnx` and
-  `moe_shard.equinox`.
+  `moe_shard.__all__` and of the `__all__` of `moe_shard.hf`, `moe_shard.nnx`,
+  `moe_shard.equinox` and `moe_shard.maxtext`.
 * docs/benchmarks.md is what `python -m bench.docs_page` writes from bench/results/.
 """
 
@@ -213,7 +214,12 @@ def test_api_reference_lists_every_public_name(site):
     for name in moe_shard.__all__
     if f"moe_shard.{name}" not in ids and not any(f"moe_shard.{m}.{name}" in ids for m in modules)
   ]
-  for module, path in (("hf", "hf/__init__.py"), ("nnx", "nnx.py"), ("equinox", "equinox.py")):
+  for module, path in (
+    ("hf", "hf/__init__.py"),
+    ("nnx", "nnx.py"),
+    ("equinox", "equinox.py"),
+    ("maxtext", "maxtext.py"),
+  ):
     names = [f"moe_shard.{module}.{n}" for n in _all_of(ROOT / "moe_shard" / path)]
     missing += [n for n in names if n not in ids]
   assert not missing, f"docs/api.md documents no heading for {missing}"
