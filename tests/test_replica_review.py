@@ -183,18 +183,19 @@ def test_trainable_mask_and_optimizers_on_slot_params(mesh):
     state = tx.init(slots)
     updates, state = tx.update(jax.tree.map(jnp.zeros_like, slots), state, slots)
     assert jax.tree.structure(updates) == jax.tree.structure(slots)
-    # The experts frozen whole (no adapters): the optimizer's SlotParams hold no expert
-    # leaves, and move_replicas passes them through (with the new placement's fingerprint).
-    plain = ms.replicate_experts(
-      ms.quantize_experts(ms.init_moe_params(jax.random.key(0), CFG, mesh=mesh), "int8"),
-      A,
-      mesh=mesh,
-    )
-    labels = lambda p: ms.trainable_mask(p)
-    tx = optax.multi_transform({True: optax.adam(1e-2), False: optax.set_to_zero()}, labels)
-    state = tx.init(plain)
-    moved = ms.move_replicas((plain, state), B, previous=A, mesh=mesh)
-  assert jax.tree.structure(moved[1]) == jax.tree.structure(tx.init(moved[0]))
+
+
+def test_move_replicas_passes_slot_states_with_no_expert_leaves(mesh, grads):
+  # The experts frozen under optax.multi_transform: the optimizer's SlotParams hold no
+  # expert leaves; move_replicas passes them through with the new placement's fingerprint.
+  slots = grads["slots_a"]
+  labels = lambda p: dataclasses.replace(jax.tree.map(lambda _: False, p), router_DE=True)
+  tx = optax.multi_transform({True: optax.adam(1e-2), False: optax.set_to_zero()}, labels)
+  with jax.set_mesh(mesh):
+    moved = ms.move_replicas((slots, tx.init(slots)), B, previous=A, mesh=mesh)
+    fresh = tx.init(moved[0])
+  assert jax.tree.structure(moved[1]) == jax.tree.structure(fresh)
+  _close(moved[1], fresh, 0, 0)
 
 
 def test_helpers_without_a_mesh_take_the_arrays_mesh(mesh, setup):
@@ -253,11 +254,11 @@ def test_load_window_record_inside_jit_is_named():
     jax.jit(window.record)(jnp.ones(E, jnp.int32))
 
 
-def test_save_moe_layers_refuses_slot_params(tmp_path, setup):
+def test_save_moe_layers_refuses_slot_params(tmp_path, mesh, setup):
   from moe_shard import hf
 
   params, _, _ = setup
-  slots = ms.replicate_experts(params, A)
+  slots = ms.replicate_experts(params, A, mesh=mesh)
   with pytest.raises(TypeError, match=r"save_moe_layers: .*SlotParams.*logical_params"):
     hf.save_moe_layers(tmp_path / "out", CFG, slots, like=tmp_path / "like")
 
