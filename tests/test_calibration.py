@@ -111,6 +111,40 @@ def test_host_transfers_scale_with_trips():
   assert got == {"to_host_bytes": 4 * 2048, "from_host_bytes": 4 * 2048, "ops": 2}
 
 
+def test_joined_keeps_a_kernel_config_in_its_computation():
+  # A backend config with a raw newline (splash attention's), inside a loop body.
+  split = HOST_HLO.replace(
+    "  %vm = bf16[8,128]{1,0:S(1)} copy(%back)\n",
+    '  %k = bf16[8,128]{1,0} custom-call(%back), custom_call_target="tpu_custom_call", '
+    'backend_config={"custom_call_config": {"x": "a\n}}, metadata={op_name="k"}\n',
+  )
+  from bench.reading import hlo
+
+  assert "t" not in {i.name for i in hlo.parse_hlo(split).comps["body"]}
+  body = hlo.parse_hlo(calibration.joined(split)).comps["body"]
+  assert {"k", "t"} <= {i.name for i in body}
+  assert calibration.host_transfers(calibration.joined(split))["to_host_bytes"] == 4 * 2048
+
+
+SPLASH_HLO = """\
+HloModule m
+
+ENTRY %main (m: s8[1,4,4], q: bf16[2,3,16,8], k: bf16[2,1,16,8]) -> bf16[2,3,16,8] {
+  %m = s8[1,4,4]{2,1,0} parameter(0)
+  %q = bf16[2,3,16,8]{3,2,1,0} parameter(1)
+  %k = bf16[2,1,16,8]{3,2,1,0} parameter(2)
+  ROOT %o = bf16[2,3,16,8]{3,2,1,0} custom-call(%m, %m, %q, %k, %k), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/splash_mha_dq_segmented_no_residuals/pallas_call"}
+}
+"""
+
+
+def test_splash_flops_from_shapes():
+  # dq: 3 matmuls of 2*B*H*Sq*Skv*hd = 2*2*3*16*16*8 FLOPs, over 10 of the 16 blocks of a
+  # causal 4 x 4 grid.
+  got = calibration.splash_flops(SPLASH_HLO)
+  assert got == {"splash_flops": 3 * 2 * 2 * 3 * 16 * 16 * 8 * 10 / 16, "splash_calls": 1}
+
+
 def test_scale_back():
   w = mw.WORKLOADS["mixtral_8x7b_dropped"]
   assert calibration.scale_back(w, {}) == (1.0, "the published config")
@@ -154,12 +188,14 @@ def test_markdown_rows():
     dependent_collectives=7.0,
     latency_s=None,
     kernel_flops_share=0.25,
+    splash_s=0.5,
   )
   row = calibration.make_row(w, {"dropped_flags": []}, estimate, unseen)
   text = calibration.markdown([row], "python -m bench.calibration --out x")
   assert "`python -m bench.calibration --out x`" in text
   assert "| mixtral_8x7b_dropped | v6e-256 | 13.48 | 12.00 | 0.89 | 9.00 | 9.00 | 4.00 |" in text
-  assert "| mixtral_8x7b_dropped | 3.0 | 1.0 | - | 7 | - | 0.25 |" in text
+  assert "| 0.50 | 12.50 | 0.93 |" in text
+  assert "| mixtral_8x7b_dropped | 3.0 | 1.0 | - | 7 | - | 0.25 | 0.50 |" in text
   assert "the published config (scale 1.0000)" in text
 
 
