@@ -188,7 +188,7 @@ def _maxtext_aux(module, x_BSD, params, cfg, expert_load_E):
   """MaxText's (load-balance loss, bias update) of moe_shard's routing."""
   mt = module.config
   lb_loss = None
-  if mt.load_balance_loss_weight > 0.0:
+  if mt.load_balance_loss_weight > 0.0:  # routes again: moe_layer returns loads, not choices
     B, S, D = x_BSD.shape
     logits_TE = jnp.einsum(
       "td,de->te", x_BSD.reshape(B * S, D).astype(jnp.float32), params.router_DE.astype(jnp.float32)
