@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from moe_shard.frozen import stop_gradient
@@ -50,6 +51,7 @@ class Route:
   mesh: Any
   n: int
   axes: tuple
+  specs: Any = None  # the leaves' PartitionSpecs, when not those of `split_specs` of the tree
 
 
 def arrays_mesh(tree, expert_axis):
@@ -105,7 +107,7 @@ def check_made_for(fn, name, params, placement):
 def to_slots(experts_E, placement, route):
   """[E, ...] logical experts -> [S, ...] slots of `placement` (one layer)."""
   move = lambda t: _plain_to_slots(t, placement, route)
-  return _ruled(move, lambda ct: _mean_logical(ct, placement, route), experts_E)
+  return _ruled(move, lambda ct, r: _mean_logical(ct, placement, r), experts_E, route)
 
 
 def to_logical(experts_S, placement, route):
@@ -113,7 +115,7 @@ def to_logical(experts_S, placement, route):
   Ls = placement.num_slots // route.n
   _, first_E = np.unique(np.asarray(placement.phy2log), return_index=True)
   move = lambda t: _rows(t, first_E // Ls, first_E % Ls, Ls, route)
-  return _ruled(move, lambda ct: _plain_to_slots(ct, placement, route), experts_S)
+  return _ruled(move, lambda ct, r: _plain_to_slots(ct, placement, r), experts_S, route)
 
 
 def between(experts_S, placement, previous, route):
@@ -123,8 +125,8 @@ def between(experts_S, placement, previous, route):
   rows = previous.num_slots // route.n
   src_dev, src_row = sources(placement, previous, route.n, rows)
   move = lambda t: _rows(t, src_dev, src_row, rows, route)
-  back = lambda ct: _plain_to_slots(_mean_logical(ct, placement, route), previous, route)
-  return _ruled(move, back, experts_S)
+  back = lambda ct, r: _plain_to_slots(_mean_logical(ct, placement, r), previous, r)
+  return _ruled(move, back, experts_S, route)
 
 
 def _plain_to_slots(experts_E, placement, route):
@@ -149,29 +151,35 @@ def _mean_logical(ct_S, placement, route):
   return jax.tree.map(mean, sum_E, ct_S)
 
 
-def _ruled(move, back, experts):
-  """`move(experts)` whose VJP is `back` for the trained leaves; the quantized (frozen) and
+def _ruled(move, back, experts, route):
+  """`move(experts)` whose VJP is `back(cotangents, route)` for the trained leaves (the
+  others None, empty, in the cotangents and in `route.specs`); the quantized (frozen) and
   non-float leaves moved as they are, differentiated by JAX."""
   nodes, treedef = jax.tree.flatten(experts, is_leaf=is_quantized)
   trained = [not is_quantized(a) and jnp.issubdtype(jnp.result_type(a), jnp.inexact) for a in nodes]
   if not any(trained):
     return move(experts)
+  specs = [None] * len(nodes)
+  if route.mesh is not None:
+    is_spec = lambda x: isinstance(x, P) or is_quantized(x)
+    specs = jax.tree.leaves(split_specs(experts, *route.axes), is_leaf=is_spec)
+
+  types = jax.tree.map(jax.typeof, experts)  # each cotangent gets its input's sharding
 
   @jax.custom_vjp
   def ruled(tree):
     return move(tree)
 
   def fwd(tree):
-    out = move(tree)
-    return out, out
+    return move(tree), None
 
-  def bwd(out, ct):
-    # Frozen leaves' cotangents (float0, or unused) replaced by the outputs, moved, dropped.
+  def bwd(_, ct):
+    # The frozen leaves' cotangents (float0, or unused) left out: None, an empty subtree,
+    # and so their specs (taken from the whole tree: the FFN's shape letters need it).
     cts = jax.tree.leaves(ct, is_leaf=is_quantized)
-    outs = jax.tree.leaves(out, is_leaf=is_quantized)
-    full = treedef.unflatten([c if t else o for c, o, t in zip(cts, outs, trained)])
-    d = jax.tree.leaves(back(full), is_leaf=is_quantized)
-    return (treedef.unflatten([x if t else None for x, t in zip(d, trained)]),)
+    only = lambda xs: treedef.unflatten([x if t else None for x, t in zip(xs, trained)])
+    d = back(only(cts), dataclasses.replace(route, specs=only(specs)))
+    return (jax.tree.map(_typed, d, types, is_leaf=lambda x: x is None),)
 
   ruled.defvjp(fwd, bwd)
   moved = jax.tree.leaves(ruled(experts), is_leaf=is_quantized)
@@ -180,6 +188,18 @@ def _ruled(move, back, experts):
   held = [stop_gradient(a) if t else a for a, t in zip(nodes, trained)]
   frozen = jax.tree.leaves(move(treedef.unflatten(held)), is_leaf=is_quantized)
   return treedef.unflatten([m if t else f for m, f, t in zip(moved, frozen, trained)])
+
+
+def _typed(d, aval):
+  """`d` resharded as `aval` says where that is on an Explicit mesh (None stays None)."""
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if d is None or mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+    return d
+  if jax.typeof(d).sharding.spec == sharding.spec:
+    return d
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.sharding.reshard(d, sharding.spec)
 
 
 # ------------------------------------------------------------------------ the transport
@@ -215,7 +235,9 @@ def _rows(experts, src_dev, src_row, rows, route):
     index = jnp.asarray(src_dev * rows + src_row)
     return jax.tree.map(lambda a: a[index], experts)
   expert_axis, tensor_axis, fsdp_axis = route.axes
-  specs = split_specs(experts, expert_axis, tensor_axis, fsdp_axis)
+  specs = route.specs
+  if specs is None:
+    specs = split_specs(experts, expert_axis, tensor_axis, fsdp_axis)
   experts = jax.tree.map(lambda a, s: place(a, route.mesh, s), experts, specs)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
   gather = _gather(

@@ -185,6 +185,28 @@ def test_trainable_mask_and_optimizers_on_slot_params(mesh):
     assert jax.tree.structure(updates) == jax.tree.structure(slots)
 
 
+def test_grad_through_replicate_experts_with_frozen_quantized_experts(mesh, setup):
+  # int8 experts (frozen) with an expert bias and adapters on gate (trained): the trained
+  # leaves get the logical gradient through replicate_experts, the frozen ones none.
+  _, x, _ = setup
+  cfg = dataclasses.replace(CFG, expert_bias=True)
+  with jax.set_mesh(mesh):
+    params = _quantized_adapters(mesh, cfg)
+    gate = params.experts.gate_EDF
+    gate = dataclasses.replace(gate, b=gate.b + 0.1)  # b = 0 would hide a's gradient
+    params = dataclasses.replace(params, experts=dataclasses.replace(params.experts, gate_EDF=gate))
+    trainable, frozen = ms.split_trainable(params)
+
+    def loss(t, placement):
+      p = ms.merge_trainable(t, frozen)
+      p = p if placement is None else ms.replicate_experts(p, placement, mesh=mesh)
+      return jnp.sum(ms.moe_layer(p, x, cfg, mesh, placement=placement)[0] ** 2)
+
+    got = jax.jit(jax.grad(lambda t: loss(t, A)))(trainable)
+    want = jax.jit(jax.grad(lambda t: loss(t, None)))(trainable)
+  _close(got, want, 2e-4, 2e-5)
+
+
 def test_move_replicas_passes_slot_states_with_no_expert_leaves(mesh, grads):
   # The experts frozen under optax.multi_transform: the optimizer's SlotParams hold no
   # expert leaves; move_replicas passes them through with the new placement's fingerprint.
