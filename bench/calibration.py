@@ -243,6 +243,10 @@ def make_row(workload, meta, estimate, extra):
   row["dropped_flags"] = meta.get("dropped_flags", [])
   row["unseen"] = extra
   row["compile"] = {k: meta.get(k) for k in ("versions", "compile_s", "maxtext_tflops_per_device")}
+  row["compile"]["command"] = " ".join(
+    ["ALLOW_MULTIPLE_LIBTPU_LOAD=1 /work/venvs/mt/bin/python -m bench.peers.maxtext_train"]
+    + list(meta.get("argv", [])[1:])
+  )
   return row
 
 
@@ -330,7 +334,8 @@ def notes(rows):
       f"- **{r['workload']}** ({r['topology']}): measured {r['measured_step_s']:.3f} s, "
       f"{r['measured_source']}; measured with {r['measured_with']}; config: "
       f"{r['config_source']}. Compiled here: {r['change']} (scale {r['scale']:.4f}); "
-      f"published XLA flags this libtpu refused, left out: {dropped}."
+      f"published XLA flags this libtpu refused, left out: {dropped}. Compiled by "
+      f"`{r['compile']['command']}`."
     )
   return "\n".join(lines)
 

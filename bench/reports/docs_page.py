@@ -18,6 +18,7 @@ import json
 import pathlib
 import re
 
+from bench import calibration
 from bench.reports import report
 from bench.reports.page_text import INTRO, NOTES, SECTIONS
 
@@ -43,9 +44,9 @@ def _machine(info, rows):
   r0 = rows[0] if rows else {}
   host = f"{info['cpu']}, {info['cores']} cores, JAX {info['jax']}"
   if "topology" in r0:
+    slices = ", ".join(dict.fromkeys(r["topology"] for r in rows))
     return (
-      f"Compiled for TPU {r0['topology']} on a CPU host ({host}): every time is an "
-      "estimate, nothing ran."
+      f"Compiled for TPU {slices} on a CPU host ({host}): every time is an estimate, nothing ran."
     )
   if info.get("gpu"):
     return f"Measured on {info['gpu']} ({host})."
@@ -242,6 +243,11 @@ def _section(stem, title):
       prog, body = "bench", _layer(data)
     elif "shape" in data:
       prog, body = "bench.gmm", _gmm(data)
+    elif data.get("kind") == "calibration":
+      prog, body = (
+        "bench.calibration",
+        [calibration.tables(data["rows"]), calibration.notes(data["rows"])],
+      )
     else:
       prog, body = "bench.gpu", _gpu(data)
     # A merged file (`--from-json A,B`) holds several commands.

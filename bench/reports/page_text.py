@@ -22,6 +22,7 @@ SECTIONS = {
   "gpu_h200_gmm_default": "Grouped matmul with its default blocks against torch._grouped_mm, H200",
   "gpu_h200_gmm_levers": "tokamax's ragged_dot against auto and torch._grouped_mm on one H200",
   "gpu_h200_layer_levers": "ragged_all_to_all on a 1x1 mesh against the local path, one H200",
+  "tpu_calibration": "MaxText training steps measured on TPUs: the one estimate against them",
   "tpu_v5e_2x4_step": "The layer's training step compiled for TPU v5e 2x4",
   "tpu_v6e_2x4_step": "The layer's training step compiled for TPU v6e 2x4",
   "tpu_v5e_2x4_maxtext": "MaxText's RoutedMoE, the peer, compiled for TPU v5e 2x4",
@@ -115,6 +116,14 @@ NOTES = {
   "tpu_v6e_2x4": _OLD_CONV_COUNT,
   "tpu_v6e_2x4_layer": _OLD_CONV_COUNT,
   "tpu_v5e_2x4_deepseek": _OLD_CONV_COUNT,
+  "tpu_calibration": (
+    "The command runs from the repository root with `PYTHONPATH=.tpu-libs` (libtpu gives the "
+    "chips' coordinates, for the collectives' latency) on the folders that "
+    "`bench/peers/maxtext_train.py` wrote in a Python 3.12 environment with MaxText 0.2.5 "
+    "(jax 0.12.0.1, libtpu 0.0.52); each row names its compile command. The programs are "
+    "today's MaxText's, not the code each run was measured with (each row names that code), "
+    "compiled with the published XLA flags less those this libtpu refuses."
+  ),
   "tpu_v5e_2x4_maxtext": (
     "The command runs in the Python 3.12 environment with MaxText 0.2.5 that "
     "`bench/peers/maxtext_peer.py` describes, with `PYTHONPATH=.tpu-libs`, from the repository "
