@@ -192,14 +192,14 @@ def _ruled(move, back, experts, route):
 
 def _typed(d, aval):
   """`d` resharded as `aval` says where that is on an Explicit mesh (None stays None)."""
-  sharding = getattr(aval, "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
   if d is None or mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
     return d
-  if jax.typeof(d).sharding.spec == sharding.spec:
+  if jax.typeof(d).sharding.spec == spec:
     return d
   with jax.sharding.use_abstract_mesh(mesh):
-    return jax.sharding.reshard(d, sharding.spec)
+    return jax.sharding.reshard(d, spec)
 
 
 # ------------------------------------------------------------------------ the transport
