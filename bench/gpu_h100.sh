@@ -73,8 +73,8 @@ if [ "$MODE" != --dry-run ]; then
 fi
 
 # 1. Tests. XLA's GEMM autotuning only picks faster kernels: off for the tests' compiles.
-# `-o addopts=`: the project's rerun-on-crash option needs pytest-rerunfailures, which the
-# GPU image lacks. A test stuck on the GPU ends the step (pytest-timeout, where installed).
+# `-o addopts=`: the project's pytest options left out (-rs prints the skips). A test stuck
+# on the GPU ends the step (pytest-timeout, where installed).
 TIMEOUT=
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout=60 --timeout-method=thread"
 # shellcheck disable=SC2086

@@ -58,9 +58,23 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+import xla_maps  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# XLA:CPU crashes compiling once the process holds as many memory mappings as the kernel
+# allows, and a worker's cached executables hold them: `xla_maps.MappingGuard` drops JAX's
+# caches after a test when they pass half the limit (docs/guides/testing.md).
+_MAP_LIMIT = xla_maps.max_map_count()
+_map_guard = xla_maps.MappingGuard(_MAP_LIMIT) if _MAP_LIMIT else None
+
+
+def pytest_runtest_teardown(item, nextitem):
+  if _map_guard is not None:
+    _map_guard.after_test()
+
+
 settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True)
 settings.load_profile("ci")
 

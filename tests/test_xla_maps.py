@@ -1,0 +1,51 @@
+"""tests/xla_maps.py: a test process's memory mappings kept away from the kernel's limit."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import xla_maps
+
+if xla_maps.max_map_count() is None:
+  pytest.skip("no /proc/sys/vm/max_map_count (not Linux)", allow_module_level=True)
+
+
+def program(steps, shift):
+  """A function of about `steps` dots and cumsums: XLA:CPU compiles each into kernels of
+  their own, each with mappings of its own."""
+
+  def f(x):
+    for i in range(steps):
+      x = jnp.cumsum(jnp.sin(x) @ x.T + i + shift, axis=0)
+    return x
+
+  return f
+
+
+def test_each_compile_holds_mappings_until_the_caches_drop():
+  jax.clear_caches()
+  before = xla_maps.mappings()
+  f = jax.jit(program(20, 0.5))  # held, as a test module's jitted functions are
+  jax.block_until_ready(f(jnp.ones((8, 8))))
+  compiled = xla_maps.mappings()
+  assert compiled - before >= 20  # a few a step
+  jax.clear_caches()
+  assert compiled - xla_maps.mappings() >= 20
+
+
+def test_guard_keeps_the_mappings_under_its_limit():
+  """Compiles that each add mappings, a check after each "test": with the guard the
+  process stays under a limit set a few compiles above where it starts."""
+  jax.clear_caches()
+  start = xla_maps.mappings()
+  jax.block_until_ready(jax.jit(program(20, 0.25))(jnp.ones((8, 8))))
+  per_compile = xla_maps.mappings() - start
+  limit = start + 8 * per_compile  # the guard clears past start + 4 compiles' worth
+  guard = xla_maps.MappingGuard(limit, every=1, fraction=(start + 4 * per_compile) / limit)
+  most, held = 0, []  # held, as a test module's jitted functions are
+  for n in range(16):
+    held.append(jax.jit(program(20, n)))
+    jax.block_until_ready(held[-1](jnp.ones((8, 8))))
+    most = max(most, xla_maps.mappings())
+    guard.after_test()
+  assert guard.clears >= 2
+  assert most < limit
