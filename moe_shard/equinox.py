@@ -17,7 +17,8 @@ module with `params` slot-major (`SlotParams`), called as `moe(x_BSD, placement=
 gradient. Its optimizer state moves with it: `ms.move_replicas(opt_state, newer,
 previous=placement, mesh=mesh)` (Adam's moments of the module hold `SlotParams` too), and
 `moe.replicate_experts(newer, previous=placement)` moves the module. `moe.logical_params(
-placement)` gives the logical `MoEParams` back (checkpoints).
+placement)` gives the logical `MoEParams` back (checkpoints). `SlotParams` carry their
+placement in the pytree's structure, so a jitted step compiles once more after a move.
 
 One compile per training run. `optax.adam(...).init(params)` creates its step count with
 `jnp.zeros`, and a model's own `jnp.ones` scales are made the same way: outside a mesh
