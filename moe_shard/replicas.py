@@ -113,9 +113,11 @@ def replicate_experts(
     expert: a copy on the device itself where it can, else one `ragged_all_to_all`
     (emulated on CPU) that sends just those slots. A tree whose `SlotParams` hold no expert
     leaves (an optimizer's state of frozen experts) only takes the new fingerprint.
-    Differentiable: from logical parameters, each expert's gradient is the mean of its
-    slots' (each slot holding the expert's whole gradient, as the layer gives it: the
-    logical gradient); from slot-major ones, every old slot gets that mean.
+    Differentiable in reverse mode: from logical parameters, each expert's gradient is
+    the mean of its slots' (each slot holding the expert's whole gradient, as the layer
+    gives it: the logical gradient); from slot-major ones, every old slot gets that mean.
+    Forward mode (`jax.jvp`) is refused by JAX (a `custom_vjp`): this backward is not the
+    transpose of any forward rule.
 
   Raises:
     TypeError, ValueError: params of the wrong kind, `previous` missing for slot-major
