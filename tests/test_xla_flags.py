@@ -22,5 +22,6 @@ def test_the_suite_runs_with_what_the_installed_xla_accepts():
   # conftest.py has set them: each flag it sets is one this XLA knows, so no flag of the
   # candidates is left that XLA refuses.
   flags = os.environ["XLA_FLAGS"].split()
-  assert "--xla_backend_optimization_level=0" in flags
+  if os.environ["JAX_PLATFORMS"] == "cpu":  # on a GPU the compiler keeps its defaults
+    assert "--xla_backend_optimization_level=0" in flags
   assert xla_flags.known(flags, []) == flags
