@@ -164,6 +164,8 @@ def op_bytes(compiled_or_text, trip_counts=None, groups=None, row_tile=ROW_TILE)
         vmem += written if _VMEM_RE.search(ins.type) else 0.0
       elif update is not None:
         read, written = update
+        vmem = min(read, sum(measure.shape_bytes(types[o]) for o in _in_vmem(ins, types)))
+        vmem += written if _VMEM_RE.search(ins.type) else 0.0
       else:
         read = sum(measure.shape_bytes(types.get(o, "")) for o in ins.operands)
         written = measure.shape_bytes(ins.type)

@@ -12,10 +12,12 @@ not from names:
 
   * an unfused `dynamic-update-slice` or `scatter`: in place on its buffer operand(s);
   * a fusion whose root (or an element of its root tuple) is a `dynamic-update-slice` or
-    `scatter` whose buffer operand is a parameter of the fusion (seen through bitcasts) with
-    that one use: in place on that fusion operand. A parameter with other uses (read whole
-    by an elementwise op beside the update, say) makes the fusion write a new buffer: it
-    counts whole.
+    `scatter` whose buffer operand is a parameter of the fusion (seen through bitcasts): in
+    place on that fusion operand (XLA's `GetInPlaceInputOutputPairs`; copy insertion makes
+    the pair share one buffer). Other uses of the parameter in the fusion read what they
+    read: a dynamic-slice (the read of a read-modify-write, `buf[i] += g`) its slice, any
+    other op the whole buffer. An update of anything else (an elementwise op's result, say)
+    writes a new buffer: the fusion counts whole.
 
 `update_bytes` gives (read, written) of such an op; `table` lists a program's updates and
 whether each runs in place.
@@ -95,23 +97,32 @@ def _fusion_updates(mod, ins):
   for el in elements:
     if el is None or el.opcode not in _UPDATES:
       continue
-    params = []
+    params, seen = [], set()
     for buf in _buffer_operands(el):
-      src, via = by_name.get(buf), buf
-      while src is not None and src.opcode == "bitcast" and len(users.get(via, ())) == 1:
-        via, src = src.operands[0], by_name.get(src.operands[0])
-      if src is None or src.opcode != "parameter" or len(users.get(src.name, ())) != 1:
+      src = by_name.get(buf)
+      seen.add(buf)
+      while src is not None and src.opcode == "bitcast":
+        seen.add(src.operands[0])
+        src = by_name.get(src.operands[0])
+      if src is None or src.opcode != "parameter":
         params = []
         break
-      params.append(int(src.args))
+      params.append((int(src.args), src.name))
     if not params:
       continue
     # The update and offsets are the fusion's other operands (read whole there); of the
-    # buffer, a combining scatter reads the rows it updates.
+    # buffer, a combining scatter reads the rows it updates, a dynamic-slice beside the
+    # update (a read-modify-write) the slice it takes, any other use the whole buffer.
     read, written = _slice_bytes(mod, el, types)
     combined = read - _operand_bytes(el, types)
-    for k, p in enumerate(params):  # a variadic scatter's bytes go to its first buffer
-      found[p] = (combined, written) if k == 0 else (0.0, 0.0)
+    for k, (p, name) in enumerate(params):  # a variadic scatter's bytes go to its first
+      beside = 0.0
+      for u in users.get(name, ()) + [w for b in seen for w in users.get(b, ())]:
+        if u is el or u.name in seen:
+          continue
+        whole = u.opcode != "dynamic-slice"
+        beside += hlo_ops.shape_bytes(types[name] if whole else u.type)
+      found[p] = (combined + beside, written) if k == 0 else (beside, 0.0)
     replaced += hlo_ops.shape_bytes(el.type)
   return found, replaced
 
