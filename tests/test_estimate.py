@@ -72,6 +72,18 @@ def test_an_update_whose_buffer_is_read_beside_it_counts_whole():
   assert not got["inplace"] and (got["read"], got["written"]) == (BUF + ROW + 4, BUF)
 
 
+def test_a_read_modify_write_update_is_in_place_and_reads_its_slice():
+  # buf[i] += r: the buffer parameter feeds a dynamic-slice at the update's offsets too.
+  text = LOOP.replace(
+    "  ROOT %d = f32[64,1024]{1,0} dynamic-update-slice(%b, %r, %i, %z)",
+    "  %s = f32[1,1024]{1,0} dynamic-slice(%b, %i, %z), dynamic_slice_sizes={1,1024}\n"
+    "  %a = f32[1,1024]{1,0} add(%s, %r)\n"
+    "  ROOT %d = f32[64,1024]{1,0} dynamic-update-slice(%b, %a, %i, %z)",
+  )
+  got = _row(text, "fusion")
+  assert got["inplace"] and (got["read"], got["written"]) == (2 * ROW + 4, ROW)
+
+
 def test_a_copy_counts_whole_and_an_unfused_scatter_counts_its_rows():
   text = """HloModule m
 

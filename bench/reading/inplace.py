@@ -117,7 +117,8 @@ def _fusion_updates(mod, ins):
     combined = read - _operand_bytes(el, types)
     for k, (p, name) in enumerate(params):  # a variadic scatter's bytes go to its first
       beside = 0.0
-      for u in users.get(name, ()) + [w for b in seen for w in users.get(b, ())]:
+      around = {u.name: u for b in seen | {name} for u in users.get(b, ())}
+      for u in around.values():
         if u is el or u.name in seen:
           continue
         whole = u.opcode != "dynamic-slice"
