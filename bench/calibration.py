@@ -44,6 +44,9 @@ CALIB = pathlib.Path("/work/calib")
 # PCIe Gen5 interface"; the lane count is not given: x16's 63 GB/s is assumed.
 HOST_LINK = {"v6e": 63e9}
 _HOST_RE = re.compile(r"S\(5\)")  # memory space 5 (host) in a layout
+# Async starts that count when they start: a copy (its source), an update of a host buffer
+# (its update operand).
+_COUNTED_STARTS = ("copy-start", "dynamic-update-slice-start")
 
 # Row column -> `step_estimate`'s key.
 COLUMNS = {
@@ -101,6 +104,8 @@ def host_transfers(compiled_or_text, trip_counts=None):
     for ins in instrs:
       if ins.opcode in ("copy-done", "get-tuple-element", "bitcast", "tuple", "parameter"):
         continue
+      if ins.opcode.endswith("-start") and ins.opcode not in _COUNTED_STARTS:
+        continue  # a read from the host counts at its -done, by what it brings
       result = ins.type
       if ins.opcode == "copy-start":  # (destination, source, context)
         parts = hlo_ops._split_top_level(result[1:-1])
@@ -390,7 +395,9 @@ def main(argv=None):
     workload, meta, estimate, unseen = _read_folder(root / name)
     rows.append(make_row(workload, meta, estimate, unseen))
     print(f"{name}: estimate {rows[-1]['estimate_step_s']:.2f} s, ratio {rows[-1]['ratio']:.2f}")
-  command = "python -m bench.calibration " + " ".join(argv if argv is not None else sys.argv[1:])
+  # libtpu on the path (`.tpu-libs`) gives the chips' coordinates for the latency column.
+  args = " ".join(argv if argv is not None else sys.argv[1:])
+  command = "PYTHONPATH=.tpu-libs python -m bench.calibration " + args
   out = pathlib.Path(a.out)
   data = {
     "kind": "calibration",
