@@ -122,7 +122,10 @@ NOTES = {
     "`bench/peers/maxtext_train.py` wrote in a Python 3.12 environment with MaxText 0.2.5 "
     "(jax 0.12.0.1, libtpu 0.0.52); each row names its compile command. The programs are "
     "today's MaxText's, not the code each run was measured with (each row names that code), "
-    "compiled with the published XLA flags less those this libtpu refuses."
+    "compiled with the published XLA flags less those this libtpu refuses. "
+    "mixtral_8x7b_dropped's published per_device_batch_size 12 does not fit v6e's HBM on "
+    "today's stack (32.00 GB of temporaries against 31.24 GB, as reported when it was "
+    "first tried); 11 compiles (29.5 GB, `memory_analysis`)."
   ),
   "tpu_v5e_2x4_maxtext": (
     "The command runs in the Python 3.12 environment with MaxText 0.2.5 that "
