@@ -200,3 +200,49 @@ def _fused_update(mod, ins):
   elements = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
   kinds = [e.opcode for e in elements if e is not None and e.opcode in _UPDATES]
   return f"fusion ({kinds[0]})" if kinds else None
+
+
+def main(argv=None):
+  """`python -m bench.reading.inplace`: the updates of 1 MB or more of a layer's training
+  step compiled for a TPU (T=32768, D=2048, F=4096, K=2, bfloat16, uniform routing,
+  impl="auto", forward+backward), or of a saved HLO text (`--hlo`)."""
+  import argparse
+  import os
+  import sys
+
+  p = argparse.ArgumentParser(prog="python -m bench.reading.inplace", description=main.__doc__)
+  p.add_argument("--tpu", default="v5e:2x4")
+  p.add_argument("-E", "--experts", type=int, default=64)
+  p.add_argument("--placement", default="served")
+  p.add_argument("--replicas", type=int, default=8)
+  p.add_argument("--hlo", help="read this optimised HLO text instead of compiling")
+  p.add_argument("--save-hlo", help="write the compiled program's HLO text here")
+  a = p.parse_args(argv)
+  trips = {}
+  if a.hlo:
+    with open(a.hlo) as f:
+      text = f.read()
+  else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from bench.cases import build, impls
+    from bench.cases import programs as progs
+    from bench.command import run as bench_run
+    from bench.reading import tpu
+
+    mesh = bench_run.make_mesh(None, tpu.devices(a.tpu))
+    size = build.Size(
+      T=32768, D=2048, F=4096, K=2, dtype="bfloat16", placement=a.placement, replicas=a.replicas
+    )
+    case = build.make_case("layer", a.experts, "uniform", size, mesh, abstract=True)
+    text = progs.programs(case, "auto")["fwd_bwd"].lower(*case.args).compile().as_text()
+    trips = impls.BENCH_IMPLS["auto"].accounting(case, on_tpu=True).trips[0]
+    if a.save_hlo:
+      with open(a.save_hlo, "w") as f:
+        f.write(text)
+  sys.stdout.write(table(text, trips, min_bytes=1e6))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
