@@ -20,7 +20,7 @@ import re
 
 from bench import calibration
 from bench.reports import report
-from bench.reports.page_text import INTRO, NOTES, SECTIONS
+from bench.reports.page_text import INTRO, NOTES, OLD_TPU_COUNT, SECTIONS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -253,6 +253,9 @@ def _section(stem, title):
     # A merged file (`--from-json A,B`) holds several commands.
     lines = "\n\n".join(f"`{_command(w, prog)}`" for w in report.argvs(data.get("argv", [])))
     out += [lines, _machine(info, data["rows"]), *body]
+    rows = data["rows"]
+    if any("topology" in r for r in rows) and not any("estimate_s" in r for r in rows):
+      out.append(OLD_TPU_COUNT)
     out.append(_files(stem))
   else:
     md = (RESULTS / f"{stem}.md").read_text().splitlines()

@@ -96,6 +96,15 @@ _OLD_CONV_COUNT = (
 )
 
 
+# A TPU file whose rows predate the one count (`bench/reading/estimate.py`).
+OLD_TPU_COUNT = (
+  "Counted before the one count: these rows carry no estimate (`estimate_s`); their lower "
+  "bound, efficiency and bound columns are the old roofline, max(compute, HBM, ICI) with "
+  "XLA's \"bytes accessed\" and loop bodies scaled by a correction on XLA's own figure, "
+  "which over-counts in-place updates and VMEM prefetches and megablox's declared bytes."
+)
+
+
 NOTES = {
   "tpu_v5e_2x4_adapters": (
     "The adapters' cost on the training step, roofline estimates: bf16 experts 1.21x (E=8) "
