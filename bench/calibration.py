@@ -183,10 +183,10 @@ def splash_flops(compiled_or_text, trip_counts=None):
 def scale_back(workload, changes):
   """The factor from the compiled program's estimate to the published one's, and how.
 
-  A changed per_device_batch_size scales the step by MaxText's FLOPs per device of the
-  published config over the compiled one's (every term of MaxText's count is linear in the
-  tokens per device at a fixed sequence length); other changes keep the work's FLOPs and
-  are not scaled.
+  A changed per_device_batch_size scales the step by the published over the compiled
+  per_device_batch_size: MaxText's FLOPs per device (every term of its count, attention
+  included) are proportional to it at a fixed max_target_length. Other changes keep the
+  work's FLOPs and are not scaled.
 
   Returns:
     (float, str): the factor and a sentence.
@@ -194,17 +194,13 @@ def scale_back(workload, changes):
   if not changes:
     return 1.0, "the published config"
   named = ", ".join(f"{k}={v}" for k, v in changes.items())
-  if "per_device_batch_size" in changes and workload.dims is not None:
-    p = workload.params
-    published = mw.maxtext_tflops_per_device(
-      workload.dims, p["per_device_batch_size"], p["max_target_length"]
-    )
-    compiled = mw.maxtext_tflops_per_device(
-      workload.dims, changes["per_device_batch_size"], p["max_target_length"]
-    )
+  if "per_device_batch_size" in changes:
+    published = workload.params["per_device_batch_size"]
+    compiled = changes["per_device_batch_size"]
     return published / compiled, (
-      f"compiled with {named}; the estimate scaled by MaxText's FLOPs per device of the "
-      f"published config over the compiled one's ({published:.0f} / {compiled:.0f} TFLOPs)"
+      f"compiled with {named}; the estimate scaled by the published per_device_batch_size "
+      f"over the compiled one ({published} / {compiled}: MaxText's FLOPs per device are "
+      "proportional to it)"
     )
   return 1.0, f"compiled with {named}; not scaled"
 

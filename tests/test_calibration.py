@@ -151,6 +151,14 @@ def test_scale_back():
   assert calibration.scale_back(w, {}) == (1.0, "the published config")
   factor, how = calibration.scale_back(w, {"per_device_batch_size": 11})
   assert factor == pytest.approx(12 / 11) and "per_device_batch_size=11" in how
+  # MaxText's count is proportional to per_device_batch_size (checked on Mixtral's dims).
+  assert mw.maxtext_tflops_per_device(w.dims, 12, 4096) == pytest.approx(
+    12 / 11 * mw.maxtext_tflops_per_device(w.dims, 11, 4096)
+  )
+  factor, _ = calibration.scale_back(
+    mw.WORKLOADS["deepseek3_671b_v5p_1024"], {"per_device_batch_size": 5}
+  )
+  assert factor == pytest.approx(6 / 5)
   factor, how = calibration.scale_back(w, {"remat_policy": "full"})
   assert factor == 1.0 and "not scaled" in how
 
