@@ -70,10 +70,12 @@ from moe_shard.replicas import (
   LoadWindow,
   ServedParams,
   SlotParams,
+  layer_slots,
   logical_global_norm,
   logical_params,
   move_replicas,
   replicate_experts,
+  stack_slots,
 )
 from moe_shard.route_groups import num_routing_groups
 from moe_shard.routing import (
@@ -133,6 +135,7 @@ __all__ = [
   "expert_load",
   "grouped_matmul",
   "init_moe_params",
+  "layer_slots",
   "load_balancing_loss",
   "logical_global_norm",
   "logical_params",
@@ -155,6 +158,7 @@ __all__ = [
   "router_z_loss",
   "sequence_balance_loss",
   "split_trainable",
+  "stack_slots",
   "top_k_routing",
   "trainable_mask",
   "update_router_bias",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -46,10 +47,12 @@ __all__ = [
   "LoadWindow",
   "ServedParams",
   "SlotParams",
+  "layer_slots",
   "logical_global_norm",
   "logical_params",
   "move_replicas",
   "replicate_experts",
+  "stack_slots",
 ]
 
 
@@ -78,6 +81,60 @@ def as_slots(tree: MoEParams, like: SlotParams) -> SlotParams:
   """`tree` (a `MoEParams` of anything: specs, shapes) as the `SlotParams` node of `like`."""
   fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(MoEParams)}
   return SlotParams(**fields, placement_id=like.placement_id)
+
+
+def layer_slots(params: SlotParams, i: int) -> SlotParams:
+  """Layer `i` of slot-major parameters of a stack of L layers, with that layer's fingerprint.
+
+  `jax.tree.map(lambda a: a[i], params)` slices the arrays but keeps the fingerprints of
+  all L layers, which a one-layer placement refuses; this sets the i-th. (Inside
+  `lax.scan` over the stack, with the placement scanned over too, nothing is checked.)
+
+  Args:
+    params: `SlotParams` of L layers (every array [L, ...]), or a slot-major tree of them.
+    i: the layer, 0 <= i < L.
+
+  Returns:
+    `SlotParams` of one layer, on the placement of layer `i`.
+  """
+  fn = "layer_slots"
+  if not isinstance(params, SlotParams):
+    raise TypeError(f"{fn}: params must be SlotParams (got {type(params).__name__})")
+  made = params.placement_id
+  L = len(made) if isinstance(made, tuple) else None
+  if L is not None and not 0 <= i < L:
+    raise ValueError(f"{fn}: i must be a layer of the {L} in params, 0 <= i < {L} (got {i})")
+  layer = jax.tree.map(lambda a: a[i], params)
+  return dataclasses.replace(layer, placement_id=made if L is None else made[i])
+
+
+def stack_slots(layers: Sequence[SlotParams]) -> SlotParams:
+  """Slot-major parameters of L layers stacked ([L, ...]), carrying each layer's fingerprint.
+
+  `jax.tree.map(jnp.stack, ...)` refuses layers made for different placements (their
+  fingerprints are part of the pytree structure); the result here goes with the placement
+  of L layers that holds each layer's placement (`Placement.from_phy2log` of the stacked
+  `phy2log`s).
+
+  Args:
+    layers: `SlotParams` of one layer each, of the same structure and shapes.
+
+  Returns:
+    `SlotParams` of L layers; the fingerprint a tuple of the layers' (None if any is None).
+  """
+  fn = "stack_slots"
+  ids = []
+  for j, layer in enumerate(layers):
+    made = getattr(layer, "placement_id", None)
+    if not isinstance(layer, SlotParams) or isinstance(made, tuple):
+      kind = type(layer).__name__ + (" of a stack" if isinstance(made, tuple) else "")
+      raise TypeError(f"{fn}: layers must be SlotParams of one layer each (layer {j}: {kind})")
+    ids.append(made)
+  if not ids:
+    raise ValueError(f"{fn}: layers must hold at least one layer (got none)")
+  plain = [dataclasses.replace(layer, placement_id=None) for layer in layers]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *plain)
+  return dataclasses.replace(stacked, placement_id=None if None in ids else tuple(ids))
 
 
 def replicate_experts(

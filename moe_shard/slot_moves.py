@@ -83,21 +83,36 @@ def placement_id(placement) -> str | tuple[str, ...]:
 
 def check_made_for(fn, name, params, placement):
   """Raises unless `placement` (when known on the host) is the one `params` (`SlotParams`)
-  were made for. Slots of a stack of layers (a tuple of fingerprints) sliced to one layer
-  match any of its layers' placements."""
+  were made for. Slots of L layers (a tuple of fingerprints) need a placement of L layers,
+  or one layer's for a stack of one; a single fingerprint on a stack (layers of one
+  placement stacked) matches a placement of L layers that is that placement in each."""
   made = getattr(params, "placement_id", None)
   if made is None or not concrete(placement.phy2log):
     return
   given = placement_id(placement)
-  if made == given or (isinstance(made, tuple) and isinstance(given, str) and given in made):
+  if isinstance(made, tuple) and isinstance(given, str) and len(made) > 1:
+    raise ValueError(
+      f"{fn}: params must be the slots of one layer for a one-layer {name}; got SlotParams "
+      f"carrying the fingerprints of a stack of {len(made)} layers (a layer sliced with "
+      f"jax.tree.map keeps them all): take layer i with ms.layer_slots(params, i)"
+    )
+  if isinstance(made, str) and isinstance(given, tuple) and all(g == made for g in given):
+    return
+  if made == given or (isinstance(made, tuple) and made == (given,)):
     return
   phy2log = np.asarray(placement.phy2log)
   shown = np.array2string(phy2log, threshold=24, separator=",").replace("\n", "")
+  if name == "previous":
+    fix = "pass the placement the slots were made for as previous="
+  else:
+    fix = (
+      f"move the slots to it first with replicate_experts(params, {name}, "
+      f"previous=<the placement they were made for>)"
+    )
   raise ValueError(
     f"{fn}: {name} must be the placement the SlotParams were made for (slot s holds expert "
     f"phy2log[s] of that placement, fingerprint {made}); got a placement with phy2log "
-    f"{shown} (fingerprint {given}): move the slots to it first with "
-    f"replicate_experts(params, {name}, previous=<the placement they were made for>)"
+    f"{shown} (fingerprint {given}): {fix}"
   )
 
 
@@ -136,17 +151,18 @@ def _plain_to_slots(experts_E, placement, route):
 
 
 def _mean_logical(ct_S, placement, route):
-  """[E, ...]: each expert's mean over its slots of `ct_S` (summed in float32)."""
+  """[E, ...]: each expert's mean over its slots of `ct_S` (summed in at least float32)."""
   Ls = placement.num_slots // route.n
   _, first_E = np.unique(np.asarray(placement.phy2log), return_index=True)
-  ct32 = jax.tree.map(lambda a: a.astype(jnp.float32), ct_S)
-  at = _rows(ct32, first_E // Ls, first_E % Ls, Ls, route)  # any point: the move is linear
+  wide = jax.tree.map(lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32)), ct_S)
+  at = _rows(wide, first_E // Ls, first_E % Ls, Ls, route)  # any point: the move is linear
   _, transpose = jax.vjp(lambda e: _plain_to_slots(e, placement, route), at)
-  (sum_E,) = transpose(ct32)
-  cnt_E = np.asarray(placement.logcnt, np.float32)
+  (sum_E,) = transpose(wide)
+  cnt_E = np.asarray(placement.logcnt)
 
   def mean(total, like):
-    return (total / cnt_E.reshape((-1,) + (1,) * (total.ndim - 1))).astype(like.dtype)
+    cnt = cnt_E.astype(total.dtype).reshape((-1,) + (1,) * (total.ndim - 1))
+    return (total / cnt).astype(like.dtype)
 
   return jax.tree.map(mean, sum_E, ct_S)
 

@@ -17,6 +17,7 @@ On `jax.make_mesh`'s default (Explicit) 2x4 mesh, E = 8 experts over S = 12 slot
     experts with a bias and adapters move with their optimizer state.
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -115,7 +116,11 @@ def test_slots_are_refused_with_another_placement(mesh, setup, grads):
       ms.logical_params(slots, B, mesh=mesh)
     with pytest.raises(ValueError, match=r"logical_global_norm: " + rule):
       ms.logical_global_norm(slots, B)
-    with pytest.raises(ValueError, match=r"replicate_experts: previous must be the placement"):
+    with pytest.raises(
+      ValueError,
+      match=r"replicate_experts: previous must be the placement.*"
+      r"pass the placement the slots were made for as previous=$",
+    ):
       ms.replicate_experts(slots, A, mesh=mesh, previous=B)
     with pytest.raises(ValueError, match=r"replicate_experts: previous must be the placement"):
       ms.move_replicas((slots, {"mu": slots}), A, previous=B, mesh=mesh)
@@ -131,37 +136,73 @@ def test_slots_are_refused_with_another_placement(mesh, setup, grads):
     assert moved[0].mu.placement_id == ms.slot_moves.placement_id(B)
 
 
-def test_bfloat16_replica_sums_are_as_exact_as_the_logical_gradient(mesh):
-  # Expert 0 in 25 of 32 slots and the router sending it most items: its slot gradient is
-  # the sum of 25 replicas' bfloat16 gradients, summed in float32 and rounded once.
-  phy2log = np.array([0] * 6 + [1, 2] + [0] * 6 + [3, 4] + [0] * 6 + [5, 6] + [0] * 7 + [7])
-  many = ms.Placement.from_phy2log(phy2log, E)
-  assert int(many.logcnt[0]) == 25
-  cfg32 = dataclasses.replace(CFG, d_model=32, d_ff=64)
-  cfg16 = dataclasses.replace(cfg32, param_dtype=jnp.bfloat16)
-  with jax.set_mesh(mesh):
-    p32 = ms.init_moe_params(jax.random.key(3), cfg32, mesh=mesh)
-    p32 = dataclasses.replace(p32, router_DE=p32.router_DE.at[:, 0].add(1.0))
-    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
-    x = jax.random.normal(jax.random.key(4), (32, 8, cfg32.d_model))
-    ct = jax.random.normal(jax.random.key(5), x.shape)
+# Expert 0 in 25 of 32 slots and the router sending it most items: its slot gradient is the
+# sum of 25 replicas' gradients, summed in float32 (float64 under x64) and rounded once.
+MANY = np.array([0] * 6 + [1, 2] + [0] * 6 + [3, 4] + [0] * 6 + [5, 6] + [0] * 7 + [7])
+# The replica sums' paths: the tie on a mesh (`_sum_replicas`), logical parameters on a
+# placement (the fetch's backward), the tie on one device (a segment sum), and (x64 only)
+# the gradient through replicate_experts (the mean over an expert's slots).
+SUM_PATHS = ["slot params, mesh", "logical params, mesh", "slot params, one device"]
 
-    def grad(cfg, params, placement):
-      def loss(p):
-        y, _ = ms.moe_layer(p, x.astype(cfg.param_dtype), cfg, mesh, placement=placement)
-        return jnp.sum(y.astype(jnp.float32) * ct)
 
-      return jax.jit(jax.grad(loss))(params).experts.gate_EDF
+def _setting(path, mesh, cfg):
+  """(mesh, cfg) of `path`: no mesh and the one-device dispatch for the one-device sum."""
+  if path == "slot params, one device":
+    return None, dataclasses.replace(cfg, impl="ragged_dot")
+  return mesh, cfg
 
-    want = np.asarray(grad(cfg32, p32, None), np.float32)[0]
-    logical = np.asarray(grad(cfg16, p16, None), np.float32)[0]
-    slots = grad(cfg16, ms.replicate_experts(p16, many, mesh=mesh), many)
-  slots = np.asarray(slots, np.float32)
-  np.testing.assert_array_equal(slots[phy2log == 0], np.broadcast_to(slots[0], (25, 32, 64)))
-  err_logical = np.linalg.norm(logical - want)
-  err_slots = np.linalg.norm(slots[0] - want)
-  print(f"bf16 error against float32: slots {err_slots:.3e}, logical {err_logical:.3e}")
-  assert err_slots <= 1.1 * err_logical, (err_slots, err_logical)
+
+def _expert0_grad(path, mesh, cfg, dtype, logical=False):
+  """Expert 0's gate gradient [D, F] in float64, with parameters in `dtype` (the router
+  leaning to expert 0): on `path`, or (`logical`) the logical run in `path`'s setting."""
+  many = ms.Placement.from_phy2log(MANY, E)
+  mesh, cfg = _setting(path, mesh, cfg)
+  wide = jnp.promote_types(dtype, jnp.float32)  # the weights drawn in it, then rounded
+  path = None if logical else path
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    p = ms.init_moe_params(jax.random.key(3), dataclasses.replace(cfg, param_dtype=wide), mesh=mesh)
+    p = dataclasses.replace(p, router_DE=p.router_DE.at[:, 0].add(1.0))
+    p = jax.tree.map(lambda a: a.astype(dtype), p)
+    cfg = dataclasses.replace(cfg, param_dtype=dtype)
+    x = jax.random.normal(jax.random.key(4), (32, 8, cfg.d_model), wide).astype(dtype)
+    ct = jax.random.normal(jax.random.key(5), x.shape, wide)
+    placement = None if path is None else many
+    if path == "through replicate_experts":
+      prepare = lambda p: ms.replicate_experts(p, many, mesh=mesh)
+    else:
+      prepare = lambda p: p
+      if path is not None and path.startswith("slot params"):
+        p = ms.replicate_experts(p, many, mesh=mesh)
+
+    def loss(p):
+      y, _ = ms.moe_layer(prepare(p), x, cfg, mesh, placement=placement)
+      return jnp.sum(y.astype(ct.dtype) * ct)
+
+    gate = np.asarray(jax.jit(jax.grad(loss))(p).experts.gate_EDF, np.float64)
+  if path is not None and path.startswith("slot params"):  # every replica: the same sum
+    np.testing.assert_array_equal(gate[MANY == 0], np.broadcast_to(gate[0], (25,) + gate.shape[1:]))
+  return gate[0]
+
+
+@pytest.mark.parametrize("path", SUM_PATHS)
+def test_bfloat16_replica_sums_are_as_exact_as_the_logical_gradient(mesh, path):
+  cfg = dataclasses.replace(CFG, d_model=32, d_ff=64)
+  want = _expert0_grad(path, mesh, cfg, jnp.float32, logical=True)
+  err_logical = np.linalg.norm(_expert0_grad(path, mesh, cfg, jnp.bfloat16, logical=True) - want)
+  err_path = np.linalg.norm(_expert0_grad(path, mesh, cfg, jnp.bfloat16) - want)
+  print(f"bf16 error against float32: {path} {err_path:.3e}, logical {err_logical:.3e}")
+  assert err_path <= 1.1 * err_logical, (err_path, err_logical)
+
+
+@pytest.mark.parametrize("path", SUM_PATHS + ["through replicate_experts"])
+def test_float64_replica_sums_stay_float64(mesh, path):
+  # Under x64 the replica sums (and the mean over an expert's slots) are float64: rounded
+  # to float32 they were about 1e-7 off the logical float64 gradient.
+  with jax.enable_x64(True):
+    want = _expert0_grad(path, mesh, CFG, jnp.float64, logical=True)
+    got = _expert0_grad(path, mesh, CFG, jnp.float64)
+  err = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert err < 1e-12, (path, err)
 
 
 def _quantized_adapters(mesh, cfg):
@@ -262,12 +303,64 @@ def test_stacked_layers_move_and_scan(mesh):
     _close(y, y_logical, 1e-5, 1e-5)
     moved = ms.move_replicas(slots, other, previous=two, mesh=mesh)
     back = ms.logical_params(moved, other, mesh=mesh)
-    # A layer sliced from the stack runs on that layer's placement (checked), not another's.
-    first = jax.tree.map(lambda a: a[0], slots)
-    ms.moe_layer(first, x, CFG, mesh, placement=two[0])
-    with pytest.raises(ValueError, match=r"moe_layer: placement must be the placement"):
-      ms.moe_layer(first, x, CFG, mesh, placement=other[0])
   _close(back, stack, 0, 0)
+
+
+def test_a_layer_of_stacked_slots_takes_its_own_placement(mesh):
+  # A layer sliced with jax.tree.map keeps the fingerprints of every layer: refused on a
+  # one-layer placement (any layer's was accepted); ms.layer_slots takes layer i's.
+  layers = [ms.init_moe_params(jax.random.key(i), CFG, mesh=mesh) for i in range(2)]
+  two = ms.Placement.from_phy2log(np.stack([PLACEMENTS["one_hot"], PLACEMENTS["one_chip"]]), E)
+  with jax.set_mesh(mesh):
+    slots = ms.replicate_experts(jax.tree.map(lambda *a: jnp.stack(a), *layers), two, mesh=mesh)
+    x = jax.random.normal(jax.random.key(1), (8, 2, CFG.d_model))
+    sliced = jax.tree.map(lambda a: a[0], slots)
+    for i in range(2):
+      with pytest.raises(
+        ValueError,
+        match=r"moe_layer: params must be the slots of one layer.*"
+        r"stack of 2 layers.*ms.layer_slots\(params, i\)",
+      ):
+        ms.moe_layer(sliced, x, CFG, mesh, placement=two[i])
+    for i in range(2):
+      layer = ms.layer_slots(slots, i)
+      assert layer.placement_id == ms.slot_moves.placement_id(two[i])
+      y = ms.moe_layer(layer, x, CFG, mesh, placement=two[i])[0]
+      _close(y, ms.moe_layer(layers[i], x, CFG, mesh)[0], 1e-5, 1e-5)
+      with pytest.raises(ValueError, match=r"moe_layer: placement must be the placement"):
+        ms.moe_layer(layer, x, CFG, mesh, placement=two[1 - i])
+    with pytest.raises(ValueError, match=r"layer_slots: i must be a layer of the 2"):
+      ms.layer_slots(slots, 2)
+
+
+def test_stacked_layers_of_one_placement_and_of_several(mesh):
+  # Layers of one placement stacked with jax.tree.map carry its single fingerprint: the
+  # placement of L layers that is it in each layer is theirs (it was refused).
+  layers = [ms.init_moe_params(jax.random.key(i), CFG, mesh=mesh) for i in range(2)]
+  stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+  two = ms.Placement.from_phy2log(np.stack([PLACEMENTS["one_hot"], PLACEMENTS["one_chip"]]), E)
+  two_a = ms.Placement.from_phy2log(np.stack([PLACEMENTS["one_hot"]] * 2), E)
+  with jax.set_mesh(mesh):
+    per_layer = [ms.replicate_experts(p, A, mesh=mesh) for p in layers]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    assert stacked.placement_id == ms.slot_moves.placement_id(A)
+    _close(ms.logical_params(stacked, two_a, mesh=mesh), stack, 0, 0)
+    want = ms.logical_global_norm(ms.replicate_experts(stack, two_a, mesh=mesh), two_a)
+    np.testing.assert_allclose(ms.logical_global_norm(stacked, two_a), want, rtol=1e-6)
+    moved = ms.move_replicas(stacked, two, previous=two_a, mesh=mesh)
+    _close(ms.logical_params(moved, two, mesh=mesh), stack, 0, 0)
+    with pytest.raises(ValueError, match=r"logical_params: placement must be the placement"):
+      ms.logical_params(stacked, two, mesh=mesh)  # layer 1 is not A
+    # Layers of different placements: jax.tree.map refuses them (their fingerprints are
+    # pytree structure); ms.stack_slots stacks them with a fingerprint per layer.
+    mixed = [ms.replicate_experts(p, two[i], mesh=mesh) for i, p in enumerate(layers)]
+    with pytest.raises(ValueError):
+      jax.tree.map(lambda *a: jnp.stack(a), *mixed)
+    both = ms.stack_slots(mixed)
+    assert both.placement_id == ms.slot_moves.placement_id(two)
+    _close(ms.logical_params(both, two, mesh=mesh), stack, 0, 0)
+    with pytest.raises(TypeError, match=r"stack_slots: layers must be SlotParams of one layer"):
+      ms.stack_slots([both, both])
 
 
 def test_load_window_record_inside_jit_is_named():
@@ -325,13 +418,56 @@ def test_nnx_quantized_experts_with_bias_and_adapters_move_their_state(mesh):
   assert moe.experts.gate_EDF.w.values[...].shape[0] == S
 
 
-def test_orbax_round_trip_keeps_the_placement(tmp_path, grads):
+def test_orbax_checkpoint_of_slots_is_saved_with_its_placement(tmp_path, mesh, setup, grads):
+  # orbax stores the arrays, not the static fingerprint: the restored SlotParams take the
+  # target's. So the placement's phy2log is saved beside the checkpoint and the target is
+  # made for it; a target made for another placement would relabel the slots silently.
   ocp = pytest.importorskip("orbax.checkpoint")
+  params, x, _ = setup
   slots = grads["slots_a"]
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "slots", slots)
   checkpointer.wait_until_finished()
+  np.save(tmp_path / "phy2log.npy", np.asarray(A.phy2log))
+
   like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-  restored = checkpointer.restore(tmp_path / "slots", jax.tree.map(like, slots))
-  assert isinstance(restored, ms.SlotParams) and restored.placement_id == slots.placement_id
-  _close(restored, slots, 0, 0)
+  fresh = ms.init_moe_params(jax.random.key(7), CFG, mesh=mesh)  # a restarted run's
+  placement = ms.Placement.from_phy2log(np.load(tmp_path / "phy2log.npy"), E)
+  with jax.set_mesh(mesh):
+    target = jax.tree.map(like, ms.replicate_experts(fresh, placement, mesh=mesh))
+    restored = checkpointer.restore(tmp_path / "slots", target)
+    assert restored.placement_id == slots.placement_id
+    _close(restored, slots, 0, 0)
+    y = ms.moe_layer(restored, x, CFG, mesh, placement=placement)[0]
+    _close(y, ms.moe_layer(params, x, CFG, mesh)[0], 1e-5, 1e-5)
+    # The hazard: a target of another placement takes A's slots as B's, with no error.
+    wrong = jax.tree.map(like, ms.replicate_experts(fresh, B, mesh=mesh))
+    relabelled = checkpointer.restore(tmp_path / "slots", wrong)
+  assert relabelled.placement_id == ms.slot_moves.placement_id(B)
+  _close(relabelled.experts, slots.experts, 0, 0)
+
+
+def test_trainable_mask_as_a_function_survives_a_move(mesh):
+  # optax's labels and masks given as the function ms.trainable_mask are made from the
+  # parameters each step; a tree made before a move has the old placement's fingerprint.
+  with jax.set_mesh(mesh):
+    slots = ms.replicate_experts(_quantized_adapters(mesh, CFG), A, mesh=mesh)
+    fixed = ms.trainable_mask(slots)
+    txs = {
+      "multi_transform": lambda labels: optax.multi_transform(
+        {True: optax.adam(1e-2), False: optax.set_to_zero()}, labels
+      ),
+      "masked": lambda mask: optax.masked(optax.add_decayed_weights(1e-2), mask),
+    }
+    for name, make in txs.items():
+      for labels in (ms.trainable_mask, fixed):
+        tx = make(labels)
+        state = tx.init(slots)
+        moved, state = ms.move_replicas((slots, state), B, previous=A, mesh=mesh)
+        grads = jax.tree.map(jnp.zeros_like, moved)
+        if labels is fixed:  # made for A: refused after the move
+          with pytest.raises(ValueError):
+            tx.update(grads, state, moved)
+          continue
+        updates, state = tx.update(grads, state, moved)
+        assert jax.tree.structure(updates) == jax.tree.structure(moved), name

@@ -161,9 +161,10 @@ def _fetch_bwd(cfg, phy2log_S, d_slots):
     rows_per_peer=Ls,
   )
   (extra_slots,) = jnp.nonzero((owner_S == me) & ~first_S, size=G - L, fill_value=0)
-  d_L = buf[:L].astype(jnp.float32)  # summed in float32, rounded once (as `_sum_replicas`)
+  acc = jnp.promote_types(d_slots.dtype, jnp.float32)  # at least float32, rounded once
+  d_L = buf[:L].astype(acc)
   for g in range(G - L):  # padding rows are zeros: adding them changes nothing
-    d_L = d_L.at[phy2log_S[extra_slots[g]] % L].add(buf[L + g].astype(jnp.float32))
+    d_L = d_L.at[phy2log_S[extra_slots[g]] % L].add(buf[L + g].astype(acc))
   return d_L.astype(d_slots.dtype), None
 
 
@@ -314,8 +315,8 @@ def tie_replicas(ffn_S, placement, *, mesh, expert_axis, specs):
   On a mesh the sum is two `ragged_all_to_all`s over the expert axis (emulated on CPU): each
   follower (a replica that is not its expert's leader, `leader_slots`) sends its gradient
   to its leader's device, which adds them, and the leader sends the sum back; bytes only
-  for replicated experts. The sum is taken in float32 and rounded once to the gradient's
-  dtype (the gradients travel in their own dtype).
+  for replicated experts. The sum is taken in float32 (float64 for float64 gradients) and
+  rounded once to the gradient's dtype (the gradients travel in their own dtype).
 
   Args:
     ffn_S: the expert FFN over the S slots, slot axis first (split over `expert_axis` on a
@@ -360,9 +361,9 @@ def _tie_fwd(cfg, leaf_S, leader_S):
 def _tie_bwd(cfg, leader_S, d_S):
   if cfg.mesh is None:  # one device: a segment sum over the slots of each expert
 
-    def segment_sum(d, lead):  # summed in float32, rounded once
-      d32 = d.astype(jnp.float32)
-      return jnp.zeros_like(d32).at[lead].add(d32)[lead].astype(d.dtype)
+    def segment_sum(d, lead):  # summed in at least float32, rounded once
+      wide = d.astype(jnp.promote_types(d.dtype, jnp.float32))
+      return jnp.zeros_like(wide).at[lead].add(wide)[lead].astype(d.dtype)
 
     # On an Explicit mesh whose expert axis has one device the cotangent is typed sharded.
     return auto(segment_sum, d_S, lambda spec: spec)(d_S, leader_S), None
@@ -409,16 +410,17 @@ def _sum_replicas(d_J, leader_S, *, cfg):
     rows_per_peer=min(J, G),
   )
   (came_G,) = jnp.nonzero(follower_S & (lead_dev_S == me), size=G, fill_value=0)
-  # Summed in float32 and rounded once: in bfloat16, each addition would round the partial
-  # sum again, and the experts with the most replicas would get the least exact gradients.
-  # (Rows that take no sum go to float32 and back unchanged.)
-  d32_J = d_J.astype(jnp.float32)
+  # Summed in float32 (float64 stays float64) and rounded once: in bfloat16, each addition
+  # would round the partial sum again, and the experts with the most replicas would get
+  # the least exact gradients. (Rows that take no sum widen and narrow back unchanged.)
+  acc = jnp.promote_types(d_J.dtype, jnp.float32)
+  wide_J = d_J.astype(acc)
   for g in range(G):  # padding rows are zeros: adding them changes nothing
     row = leader_S[came_G[g]] % J
-    d32_J = jax.lax.dynamic_update_index_in_dim(
-      d32_J, d32_J[row] + buf_GX[g].astype(jnp.float32), row, 0
+    wide_J = jax.lax.dynamic_update_index_in_dim(
+      wide_J, wide_J[row] + buf_GX[g].astype(acc), row, 0
     )
-  d_J = d32_J.astype(d_J.dtype)
+  d_J = wide_J.astype(d_J.dtype)
   # Return: each leader sends its sum to its followers' devices, into their rows.
   R = cfg.return_rows
   own_rank_S = jnp.sum(
