@@ -31,7 +31,10 @@ def trainable_mask(tree: Any) -> Any:
   labels of `optax.multi_transform` (`{True: tx, False: optax.set_to_zero()}`), the filter
   of `eqx.partition`, or a mask of `optax.masked` (which passes the masked-out leaves'
   updates through: it restricts a transformation, it does not freeze); `split_trainable`
-  splits a tree by it.
+  splits a tree by it. For `SlotParams` that move between placements give optax the
+  function, `optax.multi_transform({True: tx, False: optax.set_to_zero()},
+  trainable_mask)` or `optax.masked(tx, trainable_mask)`: a tree of labels carries the
+  placement it was made on and no longer matches the parameters after a move.
 
   Args:
     tree: any pytree: a `MoEParams` or `SlotParams` (or a stack of them), an Equinox
