@@ -7,8 +7,13 @@ On `jax.make_mesh`'s default (Explicit) 2x4 mesh, E = 8 experts over S = 12 slot
     expert holding the expert's whole gradient;
   * slot parameters are tied to their placement: another placement of the same S is refused
     by every function that knows it on the host;
-  * bfloat16 gradients of an expert with 25 replicas are summed in float32: no worse than
-    the logical bfloat16 gradient against float32;
+  * bfloat16 gradients of an expert with 25 replicas are summed in float32 (no worse than
+    the logical bfloat16 gradient against float32) and float64 ones in float64, on every
+    path that sums replicas;
+  * stacked slots: a layer taken with `layer_slots` (a plain slice is refused), layers of
+    different placements stacked with `stack_slots`, layers of one placement stacked by
+    `jax.tree.map`; an orbax checkpoint of slots restored into a target made for the
+    placement saved beside it; optax labels given as the `trainable_mask` function;
   * `trainable_mask` / `split_trainable`, `eqx.partition`, `optax.multi_transform` on
     `SlotParams`, and `move_replicas` on a state whose slot parameters hold no expert leaves;
   * the helpers without `mesh=` outside `jax.set_mesh`, on arrays of an Explicit mesh;
