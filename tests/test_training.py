@@ -121,7 +121,9 @@ def loss_of(cfg, mesh):
 
   def loss_fn(params, tokens_BS):
     logits_BSV, aux = forward(params, tokens_BS, cfg, mesh)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BSV[:, :-1], tokens_BS[:, 1:])
+    # Cross-entropy against one-hot labels: jax 0.12 cannot infer the sharding of the
+    # scatter in the backward of optax's integer-label form on a batch-sharded Explicit mesh.
+    ce = optax.softmax_cross_entropy(logits_BSV[:, :-1], jax.nn.one_hot(tokens_BS[:, 1:], V))
     return jnp.mean(ce) + jnp.sum(aux["aux_loss"]), (jnp.mean(ce), aux["expert_load"])
 
   return loss_fn
