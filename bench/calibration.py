@@ -59,28 +59,6 @@ COLUMNS = {
 }
 
 
-_LINE_START = re.compile(r"^(\s|%|ENTRY\b|HloModule\b|\}$|\}, )")
-
-
-def joined(text):
-  """HLO text with each instruction on one line.
-
-  A Pallas kernel's frontend attributes and backend config can hold strings with raw
-  newlines (megablox's and splash attention's `kernel_metadata`), so its instruction
-  continues on lines that start with neither blank space nor "%" (`"xprof_metadata":...`,
-  `}}, metadata=...`); `hlo.parse_hlo` would read the "}}" line as the end of the
-  computation and lose the rest of it (the scanned layer's body: its loops, its FLOPs) and
-  the kernel's declared cost. Such a line is joined to the one before.
-  """
-  out = []
-  for line in text.split("\n"):
-    if out and line and not _LINE_START.match(line):
-      out[-1] += line
-    else:
-      out.append(line)
-  return "\n".join(out)
-
-
 def host_transfers(compiled_or_text, trip_counts=None):
   """Bytes one run of a program moves between device and host memory (memory space S(5)).
 
@@ -258,7 +236,7 @@ def _read_folder(folder):
 
   meta = json.loads((folder / "meta.json").read_text())
   workload = mw.WORKLOADS[meta["workload"]]
-  text = joined((folder / "step.hlo.txt").read_text())
+  text = (folder / "step.hlo.txt").read_text()
   cost = json.loads((folder / "cost.json").read_text())
   mod = measure._module(text)
   estimate = est.step_estimate(mod, workload.topology, cost=cost)

@@ -112,8 +112,9 @@ def test_host_transfers_scale_with_trips():
   assert got == {"to_host_bytes": 4 * 2048, "from_host_bytes": 4 * 2048, "ops": 2}
 
 
-def test_joined_keeps_a_kernel_config_in_its_computation():
-  # A backend config with a raw newline (splash attention's), inside a loop body.
+def test_a_kernel_config_split_over_lines_stays_in_its_computation():
+  # A backend config with a raw newline (splash attention's), inside a loop body: the
+  # parser joins its lines, so the body keeps its later instructions and host transfers.
   split = HOST_HLO.replace(
     "  %vm = bf16[8,128]{1,0:S(1)} copy(%back)\n",
     '  %k = bf16[8,128]{1,0} custom-call(%back), custom_call_target="tpu_custom_call", '
@@ -121,10 +122,9 @@ def test_joined_keeps_a_kernel_config_in_its_computation():
   )
   from bench.reading import hlo
 
-  assert "t" not in {i.name for i in hlo.parse_hlo(split).comps["body"]}
-  body = hlo.parse_hlo(calibration.joined(split)).comps["body"]
+  body = hlo.parse_hlo(split).comps["body"]
   assert {"k", "t"} <= {i.name for i in body}
-  assert calibration.host_transfers(calibration.joined(split))["to_host_bytes"] == 4 * 2048
+  assert calibration.host_transfers(split)["to_host_bytes"] == 4 * 2048
 
 
 SPLASH_HLO = """\

@@ -698,3 +698,34 @@ ENTRY %main (x: f32[64,32], w: f32[32,16]) -> f32[64,16] {
   assert set(mod.comps) == {"sc_copy", "fused_dot", "main"}
   assert mod.dot_flops["fused_dot"] == 2 * 64 * 32 * 16
   assert mod.calls["main"] == [("fused_dot", "call")]
+
+
+def test_parse_hlo_keeps_an_instruction_whose_metadata_spans_lines_in_its_computation():
+  """libtpu's `as_text()` writes a Pallas kernel's `kernel_metadata` with raw newlines: the
+  instruction continues on lines starting `"xprof_metadata":` and `}}, metadata=`. The
+  `}}` line is no computation's end: the rest of the computation, and the next one, parse."""
+  text = """HloModule m
+
+%body (a: f32[64,32], b: f32[32,16]) -> f32[64,16] {
+  %a = f32[64,32]{1,0} parameter(0)
+  %b = f32[32,16]{1,0} parameter(1)
+  %k = f32[64,32]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"cost_estimate":{"flops":"1000"}}, "kernel_metadata":"{
+"xprof_metadata":"{}"
+}}, metadata={op_name="jit(f)/gmm/pallas_call"}
+  ROOT %d = f32[64,16]{1,0} dot(%k, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[64,32], w: f32[32,16]) -> f32[64,16] {
+  %x = f32[64,32]{1,0} parameter(0)
+  %w = f32[32,16]{1,0} parameter(1)
+  ROOT %f = f32[64,16]{1,0} call(%x, %w), to_apply=%body
+}
+"""
+  mod = measure.parse_hlo(text)
+  assert set(mod.comps) == {"body", "main"}
+  assert [i.name for i in mod.comps["body"]] == ["a", "b", "k", "d"]
+  (k,) = [i for i in mod.comps["body"] if i.name == "k"]
+  assert 'op_name="jit(f)/gmm/pallas_call"' in k.attrs
+  assert mod.dot_flops["body"] == 1000 + 2 * 64 * 32 * 16
+  assert mod.calls["main"] == [("body", "call")]
+  assert mod.executions()["body"] == 1.0

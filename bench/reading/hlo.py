@@ -16,6 +16,7 @@ from bench.reading.hlo_ops import (
   _result_bytes,
   _wire_bytes,
   custom_call_flops,
+  instruction_lines,
   shape_bytes,
 )
 
@@ -229,7 +230,7 @@ def parse_hlo(text):
   comps = {}  # name -> list[Instruction]
   entry = None
   current = None
-  for line in text.splitlines():
+  for line in instruction_lines(text):  # an instruction's continuation lines joined
     if current is None:
       m = _HEADER_RE.match(line)
       if m:

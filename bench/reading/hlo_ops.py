@@ -1,6 +1,7 @@
 """What one HLO instruction costs: the bytes of its types, the FLOPs of a dot, a convolution or
 a Pallas kernel (the cost it declares), and the wire bytes of a collective. `hlo.parse_hlo`
-reads them into each computation's totals; `measure` scales those by how often it runs."""
+reads them into each computation's totals; `measure` scales those by how often it runs.
+`instruction_lines` puts an instruction written over several lines back on one."""
 
 from __future__ import annotations
 
@@ -76,6 +77,34 @@ def _dot_flops(ins, types):
 
 
 _COST_RE = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
+
+_COMP_END_RE = re.compile(r"^\}(,|\s*$)")  # "}", or "}, execution_thread=..."
+
+
+def instruction_lines(text):
+  """The lines of HLO text, each instruction on one line.
+
+  A Pallas kernel's backend config can hold strings with raw newlines (megablox's and
+  splash attention's `kernel_metadata` in libtpu's `as_text()`), so its instruction
+  continues on lines that start with neither blank space nor "%" (`"xprof_metadata":...`,
+  `}}, metadata=...`). Such a line after an instruction (an indented line) is joined to
+  it, unless it closes the computation ("}" or "}, ..."); read on its own, a "}}" line
+  would end the computation and lose the rest of it.
+  """
+  out = []
+  for line in text.splitlines():
+    if (
+      out
+      and out[-1][:1].isspace()
+      and line
+      and not line[0].isspace()
+      and line[0] != "%"
+      and not _COMP_END_RE.match(line)
+    ):
+      out[-1] += line
+    else:
+      out.append(line)
+  return out
 
 
 def custom_call_flops(attrs):
