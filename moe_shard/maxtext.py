@@ -54,7 +54,7 @@ from moe_shard.config import MoEConfig
 from moe_shard.experts import SwiGLU
 from moe_shard.layer import moe_layer
 from moe_shard.params import MoEParams
-from moe_shard.routing import top_k_routing
+from moe_shard.routing import top_k_router
 
 __all__ = [
   "install",
@@ -194,15 +194,8 @@ def _maxtext_aux(module, x_BSD, params, cfg, expert_load_E):
       "td,de->te", x_BSD.reshape(B * S, D).astype(jnp.float32), params.router_DE.astype(jnp.float32)
     )
     bias_E = None if params.router_bias is None else jax.lax.stop_gradient(params.router_bias)
-    routing = top_k_routing(
-      logits_TE,
-      cfg.top_k,
-      normalize=cfg.normalize_top_k,
-      score_func=cfg.score_func,
-      num_groups=cfg.num_groups,
-      top_k_groups=cfg.top_k_groups,
-      bias_E=None if bias_E is None else bias_E.astype(jnp.float32),
-      scaling=cfg.routed_scaling,
+    routing = top_k_router(
+      logits_TE, cfg, bias_E=None if bias_E is None else bias_E.astype(jnp.float32)
     )
     scores_BSE = routing.probs_TE.reshape(B, S, -1)
     if _block_name(mt) == "mixtral":  # MaxText's probabilities are the softmax of the logits
