@@ -229,8 +229,9 @@ def make_row(workload, meta, estimate, extra):
   return row
 
 
-def _read_folder(folder):
-  """(workload, meta, estimate, unseen) of one folder of `maxtext_train`."""
+def _read_folder(folder, trip_counts=None):
+  """(workload, meta, estimate, unseen) of one folder of `maxtext_train`; `trip_counts` as
+  `step_estimate`'s (default None: a loop of unknown trips runs once per entry)."""
   from bench.reading import estimate as est
   from bench.reading import measure, tpu
 
@@ -239,8 +240,8 @@ def _read_folder(folder):
   text = (folder / "step.hlo.txt").read_text()
   cost = json.loads((folder / "cost.json").read_text())
   mod = measure._module(text)
-  estimate = est.step_estimate(mod, workload.topology, cost=cost)
-  unseen = dict(host_transfers(mod))
+  estimate = est.step_estimate(mod, workload.topology, trip_counts, cost=cost)
+  unseen = dict(host_transfers(mod, trip_counts))
   link = HOST_LINK.get(tpu.generation(workload.topology))
   # Each direction at the link's rate, the two at once.
   busiest = max(unseen["to_host_bytes"], unseen["from_host_bytes"])

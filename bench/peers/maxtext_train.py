@@ -3,11 +3,14 @@ without one, and written out for the estimator (nothing runs).
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 /work/venvs/mt/bin/python -m bench.peers.maxtext_train \\
       mixtral_8x7b_dropped --out /work/calib/mixtral_8x7b_dropped [--set remat_policy=full] \\
-      [--drop-flag xla_tpu_enable_async_collective_fusion]
+      [--drop-flag xla_tpu_enable_async_collective_fusion] [--block moe_shard]
 
 runs MaxText's `maxtext.trainers.pre_train.train_compile` steps (its config from
 `bench/peers/maxtext_workloads.py`: the published fields, `compile_topology`, and `--set`
-changes) and writes to --out:
+changes) and writes to --out. `--block moe_shard` compiles it with moe_shard's MoE block in place
+of MaxText's (`moe_shard.maxtext.install`, `--impl` its dispatch, default "auto"); the block
+is dropless, so give it `--set capacity_factor=-1` and the mesh it splits experts over
+(`--set ici_expert_parallelism=N`). The folder is written to:
 
   * step.hlo.txt: the optimised HLO of the compiled train step (`Compiled.as_text()`);
   * cost.json: XLA's `cost_analysis()`; memory.json: `memory_analysis()`;
@@ -173,12 +176,20 @@ def _memory(compiled):
   return {n: getattr(m, n, None) for n in names}
 
 
-def run(workload, out, changes, dropped):
-  """Compiles one workload and writes its folder (see the module docstring)."""
+def run(workload, out, changes, dropped, block="maxtext", impl="auto"):
+  """Compiles one workload and writes its folder (see the module docstring).
+
+  block: "maxtext" (MaxText's own MoE block) or "moe_shard" (moe_shard's, dispatch `impl`).
+  """
   out.mkdir(parents=True, exist_ok=True)
   flags = mw.kept_flags(workload, dropped)
+  if block == "moe_shard":
+    from moe_shard import maxtext as ms_maxtext
+
+    ms_maxtext.install(impl=impl)
   meta = {
     "workload": workload.name,
+    "block": block if block == "maxtext" else f"moe_shard(impl={impl})",
     "compile_topology": workload.compile_topology,
     "topology": workload.topology,
     "changes": changes,
@@ -223,6 +234,8 @@ def main(argv=None):
   p.add_argument("--set", action="append", default=[], help="key=value: a config change")
   p.add_argument("--drop-flag", action="append", default=[], help="a published flag to leave out")
   p.add_argument("--probe-flags", action="store_true", help="list the flags libtpu refuses")
+  p.add_argument("--block", choices=("maxtext", "moe_shard"), default="maxtext", help="MoE block")
+  p.add_argument("--impl", default="auto", help="moe_shard's dispatch with --block moe_shard")
   a = p.parse_args(argv)
   workload = mw.WORKLOADS[a.workload]
   if a.probe_flags:
@@ -232,7 +245,7 @@ def main(argv=None):
     print(f"{len(refused)} of {len(mw.flag_list(workload.xla_flags))} flags refused")
     return 0
   out = pathlib.Path(a.out or f"/work/calib/{a.workload}")
-  meta = run(workload, out, parse_sets(a.set), a.drop_flag)
+  meta = run(workload, out, parse_sets(a.set), a.drop_flag, a.block, a.impl)
   print(json.dumps(meta, indent=1, default=str))
   return 0
 

@@ -18,7 +18,7 @@ import json
 import pathlib
 import re
 
-from bench import calibration
+from bench import calibration, maxtext_models
 from bench.reports import report
 from bench.reports.page_text import INTRO, NOTES, OLD_TPU_COUNT, SECTIONS
 
@@ -243,6 +243,9 @@ def _section(stem, title):
       prog, body = "bench", _layer(data)
     elif "shape" in data:
       prog, body = "bench.gmm", _gmm(data)
+    elif data.get("kind") == "maxtext_models":
+      text = maxtext_models.markdown(data["rows"], "").split("\n\n", 2)[2]
+      prog, body = "bench.maxtext_models", [text.strip()]
     elif data.get("kind") == "calibration":
       prog, body = (
         "bench.calibration",

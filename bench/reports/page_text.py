@@ -23,6 +23,7 @@ SECTIONS = {
   "gpu_h200_gmm_levers": "tokamax's ragged_dot against auto and torch._grouped_mm on one H200",
   "gpu_h200_layer_levers": "ragged_all_to_all on a 1x1 mesh against the local path, one H200",
   "tpu_calibration": "MaxText training steps measured on TPUs: the one estimate against them",
+  "tpu_maxtext_models": "MaxText's Mixtral and DeepSeek steps with each MoE block, compiled for pods",
   "tpu_v5e_2x4_step": "The layer's training step compiled for TPU v5e 2x4",
   "tpu_v6e_2x4_step": "The layer's training step compiled for TPU v6e 2x4",
   "tpu_v5e_2x4_maxtext": "MaxText's RoutedMoE, the peer, compiled for TPU v5e 2x4",
