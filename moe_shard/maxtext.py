@@ -91,6 +91,7 @@ def moe_config(
   d_ff: int,
   impl: str = "auto",
   gmm_impl: str = "auto",
+  chunk_size: int | tuple[int, int] | None = None,
 ) -> MoEConfig:
   """The `MoEConfig` of a MaxText routed MoE block.
 
@@ -102,6 +103,8 @@ def moe_config(
     d_ff: the block's F.
     impl: moe_shard's dispatch (default "auto": picked for the mesh and chip).
     gmm_impl: moe_shard's grouped-matmul backend (default "auto").
+    chunk_size: `MoEConfig.chunk_size`, the all_to_all dispatch's rows per (source,
+      destination) pair in its first and overflow rounds (default None: moe_shard's).
 
   Returns:
     `MoEConfig`: dropless, SwiGLU experts, MaxText's routing, no aux-loss weights (MaxText
@@ -140,6 +143,7 @@ def moe_config(
     top_k=top_k,
     impl=impl,
     gmm_impl=gmm_impl,
+    chunk_size=chunk_size,
     load_balance_coef=0.0,
     z_loss_coef=0.0,
     compute_dtype=jnp.dtype(mt_cfg.dtype),
@@ -215,21 +219,24 @@ def _maxtext_aux(module, x_BSD, params, cfg, expert_load_E):
   return lb_loss, bias_updates
 
 
-def routed_moe_class(impl: str = "auto", gmm_impl: str = "auto") -> type:
+def routed_moe_class(
+  impl: str = "auto", gmm_impl: str = "auto", chunk_size: int | tuple[int, int] | None = None
+) -> type:
   """MaxText's `RoutedMoE` computed by `moe_layer`: its subclass with the same parameters.
 
   Args:
     impl: moe_shard's dispatch (default "auto").
     gmm_impl: moe_shard's grouped-matmul backend (default "auto").
+    chunk_size: `moe_config`'s (default None).
 
   Returns:
-    The class (one per (impl, gmm_impl)); imports MaxText.
+    The class (one per (impl, gmm_impl, chunk_size)); imports MaxText.
   """
-  return _routed_moe_class(impl, gmm_impl)
+  return _routed_moe_class(impl, gmm_impl, chunk_size)
 
 
 @functools.cache
-def _routed_moe_class(impl, gmm_impl):
+def _routed_moe_class(impl, gmm_impl, chunk_size):
   from maxtext.layers import moe  # pyright: ignore[reportMissingImports]
 
   original = getattr(moe.RoutedMoE, "_moe_shard_original", moe.RoutedMoE)
@@ -248,6 +255,7 @@ def _routed_moe_class(impl, gmm_impl):
         d_ff=self.intermediate_dim,
         impl=impl,
         gmm_impl=gmm_impl,
+        chunk_size=chunk_size,
       )
 
     def moe_shard_params(self) -> MoEParams:
@@ -277,21 +285,24 @@ def _routed_moe_class(impl, gmm_impl):
   return MoeShardRoutedMoE
 
 
-def install(impl: str = "auto", gmm_impl: str = "auto") -> type:
+def install(
+  impl: str = "auto", gmm_impl: str = "auto", chunk_size: int | tuple[int, int] | None = None
+) -> type:
   """Makes MaxText build moe_shard's block wherever it builds `RoutedMoE` from now on.
 
   Replaces `maxtext.layers.moe.RoutedMoE` (and the name in every loaded `maxtext.*` module
-  that imported it) with `routed_moe_class(impl, gmm_impl)`. Models built before keep their
+  that imported it) with `routed_moe_class(impl, gmm_impl, chunk_size)`. Models built before keep their
   blocks.
 
   Args:
     impl: moe_shard's dispatch (default "auto").
     gmm_impl: moe_shard's grouped-matmul backend (default "auto").
+    chunk_size: `moe_config`'s (default None).
 
   Returns:
     The installed class.
   """
-  cls = routed_moe_class(impl, gmm_impl)
+  cls = routed_moe_class(impl, gmm_impl, chunk_size)
   _replace(cls._moe_shard_original, cls)
   return cls
 
@@ -315,27 +326,41 @@ def _replace(original: type, new: type) -> None:
 
 
 @contextlib.contextmanager
-def installed(impl: str = "auto", gmm_impl: str = "auto") -> Iterator[type]:
+def installed(
+  impl: str = "auto", gmm_impl: str = "auto", chunk_size: int | tuple[int, int] | None = None
+) -> Iterator[type]:
   """`install` for the duration of a `with` block, then MaxText's own block again."""
-  cls = install(impl, gmm_impl)
+  cls = install(impl, gmm_impl, chunk_size)
   try:
     yield cls
   finally:
     uninstall()
 
 
-def split_options(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-  """`main`'s arguments: ({"impl", "gmm_impl"}, the arguments left for MaxText).
+def split_options(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+  """`main`'s arguments: ({"impl", "gmm_impl", "chunk_size"}, the arguments left for MaxText).
 
-  `moe_shard_impl=NAME` and `moe_shard_gmm_impl=NAME` (default "auto" each) are taken out;
-  every other argument, `argv[0]` first, is kept in order.
+  `moe_shard_impl=NAME` and `moe_shard_gmm_impl=NAME` (default "auto" each) and
+  `moe_shard_chunk_size=C` or `=C_FIRST,C_OVERFLOW` (default None) are taken out; every
+  other argument, `argv[0]` first, is kept in order.
+
+  Raises:
+    ValueError: a `moe_shard_chunk_size` that is not one or two integers.
   """
-  options = {"impl": "auto", "gmm_impl": "auto"}
+  options: dict[str, Any] = {"impl": "auto", "gmm_impl": "auto", "chunk_size": None}
   rest = list(argv[:1])
   for arg in argv[1:]:
     key, sep, value = arg.partition("=")
     if sep and key in ("moe_shard_impl", "moe_shard_gmm_impl"):
       options[key.removeprefix("moe_shard_")] = value
+    elif sep and key == "moe_shard_chunk_size":
+      try:
+        sizes = tuple(int(v) for v in value.split(","))
+      except ValueError:
+        sizes = ()
+      if len(sizes) not in (1, 2):
+        raise _unsupported("moe_shard_chunk_size", "must be C or C_FIRST,C_OVERFLOW", value)
+      options["chunk_size"] = sizes[0] if len(sizes) == 1 else sizes
     else:
       rest.append(arg)
   return options, rest
@@ -345,8 +370,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   """MaxText's trainer (`maxtext.trainers.pre_train.train`) with moe_shard's block.
 
   Args:
-    argv: MaxText's command line (default `sys.argv`), with `moe_shard_impl=NAME` and
-      `moe_shard_gmm_impl=NAME` optional (`split_options`).
+    argv: MaxText's command line (default `sys.argv`), with `moe_shard_impl=NAME`,
+      `moe_shard_gmm_impl=NAME` and `moe_shard_chunk_size=C[,C]` optional (`split_options`).
   """
   options, rest = split_options(sys.argv if argv is None else argv)
   install(**options)

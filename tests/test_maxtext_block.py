@@ -240,8 +240,13 @@ def test_install_and_uninstall_swap_the_block():
 def test_split_options():
   argv = ["train", "base.yml", "moe_shard_impl=all_to_all", "steps=5", "moe_shard_gmm_impl=tiled"]
   options, rest = ms_maxtext.split_options(argv)
-  assert options == {"impl": "all_to_all", "gmm_impl": "tiled"}
+  assert options == {"impl": "all_to_all", "gmm_impl": "tiled", "chunk_size": None}
   assert rest == ["train", "base.yml", "steps=5"]
+  options, _ = ms_maxtext.split_options(["train", "moe_shard_chunk_size=14080,3520"])
+  assert options["chunk_size"] == (14080, 3520)
+  assert ms_maxtext.split_options(["train", "moe_shard_chunk_size=64"])[0]["chunk_size"] == 64
+  with pytest.raises(ValueError, match="moe_shard_chunk_size must be C or C_FIRST,C_OVERFLOW"):
+    ms_maxtext.split_options(["train", "moe_shard_chunk_size=1,2,3"])
 
 
 @pytest.mark.parametrize(
@@ -269,7 +274,16 @@ def test_config_maps_deepseek_routing():
     2,
   )
   assert cfg.routed_scaling == 2.5 and cfg.bias_balancing and cfg.capacity_factor is None
-  assert jnp.dtype(cfg.compute_dtype) == jnp.float32
+  assert jnp.dtype(cfg.compute_dtype) == jnp.float32 and cfg.chunk_size is None
+  sized = ms_maxtext.moe_config(
+    _config("mixtral", "moe_shard"),
+    num_experts=8,
+    top_k=2,
+    d_model=32,
+    d_ff=64,
+    chunk_size=(40, 8),
+  )
+  assert sized.chunk_size == (40, 8)
 
 
 def test_load_balance_loss_is_maxtexts_on_the_whole_batch():

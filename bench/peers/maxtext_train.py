@@ -176,20 +176,22 @@ def _memory(compiled):
   return {n: getattr(m, n, None) for n in names}
 
 
-def run(workload, out, changes, dropped, block="maxtext", impl="auto"):
+def run(workload, out, changes, dropped, block="maxtext", impl="auto", chunk_size=None):
   """Compiles one workload and writes its folder (see the module docstring).
 
-  block: "maxtext" (MaxText's own MoE block) or "moe_shard" (moe_shard's, dispatch `impl`).
+  block: "maxtext" (MaxText's own MoE block) or "moe_shard" (moe_shard's, dispatch `impl`,
+  all_to_all's `chunk_size`).
   """
   out.mkdir(parents=True, exist_ok=True)
   flags = mw.kept_flags(workload, dropped)
   if block == "moe_shard":
     from moe_shard import maxtext as ms_maxtext
 
-    ms_maxtext.install(impl=impl)
+    ms_maxtext.install(impl=impl, chunk_size=chunk_size)
   meta = {
     "workload": workload.name,
     "block": block if block == "maxtext" else f"moe_shard(impl={impl})",
+    "chunk_size": chunk_size,
     "compile_topology": workload.compile_topology,
     "topology": workload.topology,
     "changes": changes,
@@ -236,6 +238,9 @@ def main(argv=None):
   p.add_argument("--probe-flags", action="store_true", help="list the flags libtpu refuses")
   p.add_argument("--block", choices=("maxtext", "moe_shard"), default="maxtext", help="MoE block")
   p.add_argument("--impl", default="auto", help="moe_shard's dispatch with --block moe_shard")
+  p.add_argument(
+    "--chunk-size", help="C or C_FIRST,C_OVERFLOW: all_to_all's rows per pair and round"
+  )
   a = p.parse_args(argv)
   workload = mw.WORKLOADS[a.workload]
   if a.probe_flags:
@@ -245,7 +250,9 @@ def main(argv=None):
     print(f"{len(refused)} of {len(mw.flag_list(workload.xla_flags))} flags refused")
     return 0
   out = pathlib.Path(a.out or f"/work/calib/{a.workload}")
-  meta = run(workload, out, parse_sets(a.set), a.drop_flag, a.block, a.impl)
+  chunk = None if a.chunk_size is None else tuple(int(c) for c in a.chunk_size.split(","))
+  chunk = chunk[0] if chunk is not None and len(chunk) == 1 else chunk
+  meta = run(workload, out, parse_sets(a.set), a.drop_flag, a.block, a.impl, chunk)
   print(json.dumps(meta, indent=1, default=str))
   return 0
 
