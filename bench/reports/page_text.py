@@ -135,7 +135,13 @@ NOTES = {
     "compiled with the published XLA flags less those this libtpu refuses. "
     "mixtral_8x7b_dropped's published per_device_batch_size 12 does not fit v6e's HBM on "
     "today's stack (32.00 GB of temporaries against 31.24 GB, as reported when it was "
-    "first tried); 11 compiles (29.5 GB, `memory_analysis`)."
+    "first tried); 11 compiles (29.5 GB, `memory_analysis`). deepseek3_671b_v5p_1024's "
+    "published per_device_batch_size 6 does not fit v5p's HBM here either (97.19 GB of "
+    "temporaries against 95.73 GB); 4 compiles (80.5 GB), its estimate scaled by 6 / 4, "
+    "which also scales the step's fixed parts (the FSDP gathers of the weights), so the "
+    "scaled estimate is if anything high. Its gap is mostly splash attention, which declares "
+    "no FLOPs (18.1 s at peak, scaled), and the host offload of the decoder layers' inputs "
+    "(90 GB each way per step, scaled; no v5p host link figure is cited, so no time)."
   ),
   "tpu_v5e_2x4_maxtext": (
     "The command runs in the Python 3.12 environment with MaxText 0.2.5 that "
