@@ -79,7 +79,10 @@ def make_row(workload, meta, estimate, unseen, rounds=None):
     "splash_s": unseen.get("splash_s"),
     "host_gb": max(unseen["to_host_bytes"], unseen["from_host_bytes"]) / 1e9,
     "changes": shared,
-    "block_changes": {k: v for k, v in changes.items() if k in BLOCK_FIELDS},
+    "block_changes": {
+      **{k: v for k, v in changes.items() if k in BLOCK_FIELDS},
+      **({"moe_shard_chunk_size": meta["chunk_size"]} if meta.get("chunk_size") else {}),
+    },
     "dropped_flags": meta.get("dropped_flags", []),
     "measured_step_s": None,
     "measured_source": None,

@@ -27,6 +27,7 @@ SECTIONS = {
   "tpu_v5e_2x4_step": "The layer's training step compiled for TPU v5e 2x4",
   "tpu_v6e_2x4_step": "The layer's training step compiled for TPU v6e 2x4",
   "tpu_v5e_2x4_maxtext": "MaxText's RoutedMoE, the peer, compiled for TPU v5e 2x4",
+  "tpu_v5e_2x4_gshard": "A GShard-style einsum layer's training step compiled for TPU v5e 2x4",
   "tpu_v6e_2x4_maxtext": "MaxText's RoutedMoE, the peer, compiled for TPU v6e 2x4",
   "tpu_v5e_ragged_step": "ragged_all_to_all against all_to_all, compiled for TPU v5e 2x4",
   "tpu_v5e_2x4_skew": "Replicated experts under Zipf routing, compiled for TPU v5e 2x4",
