@@ -147,16 +147,18 @@ def markdown(rows, command):
       f"| {_fmt(r['speedup_vs_maxtext_dropless'])} | {_fmt(r['measured_step_s'], '.3f')} "
       f"| {changes} |"
     )
-  lines += ["", "Each row:", ""]
-  for r in rows:
+  lines += ["", "Each compiled step:", ""]
+  for r in {r["command"]: r for r in rows}.values():
     shared = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "none"
+    size = r["block_changes"].get("moe_shard_chunk_size")
+    chunk = f" (chunk_size {size})" if size else ""
     measured = (
       f" Measured: {r['measured_step_s']:.3f} s ({r['measured_source']})."
       if r["measured_step_s"] is not None
       else ""
     )
     lines.append(
-      f"- **{r['workload']} / {r['block']}**: changes from the published config shared by "
+      f"- **{r['workload']} / {r['block']}**{chunk}: changes from the published config shared by "
       f"every block of the workload: {shared}; published XLA flags this libtpu refused, left "
       f"out: {', '.join(r['dropped_flags']) or 'none'}.{measured} Compiled in "
       f"{_fmt(r['compile_s'], '.0f')} s by `{r['command']}`."

@@ -257,7 +257,12 @@ def _section(stem, title):
     lines = "\n\n".join(f"`{_command(w, prog)}`" for w in report.argvs(data.get("argv", [])))
     out += [lines, _machine(info, data["rows"]), *body]
     rows = data["rows"]
-    if any("topology" in r for r in rows) and not any("estimate_s" in r for r in rows):
+    read_by_the_one_count = data.get("kind") in ("calibration", "maxtext_models")
+    if (
+      not read_by_the_one_count
+      and any("topology" in r for r in rows)
+      and not any("estimate_s" in r for r in rows)
+    ):
       out.append(OLD_TPU_COUNT)
     out.append(_files(stem))
   else:
