@@ -93,7 +93,7 @@ def make_row(workload, meta, estimate, unseen, rounds=None):
       + list(meta.get("argv", [])[1:])
     ),
   }
-  if same_block and set(shared) <= {"per_device_batch_size"}:
+  if same_block and set(shared) <= {"per_device_batch_size"} and workload.measured:
     measured, how = mw.measured_step_s(workload)
     scale, _ = calibration.scale_back(workload, shared)
     row["measured_step_s"] = measured / scale  # at the compiled batch

@@ -20,7 +20,9 @@ def _meta(changes, block="maxtext"):
 def test_block_name_by_block_and_capacity():
   assert mm.block_name(DROPPED, _meta({})) == "maxtext_dropped"
   assert mm.block_name(DROPPED, _meta({"capacity_factor": -1})) == "maxtext_dropless"
-  assert mm.block_name(DROPPED, _meta({"capacity_factor": -1}, "moe_shard(impl=auto)")) == "moe_shard"
+  assert (
+    mm.block_name(DROPPED, _meta({"capacity_factor": -1}, "moe_shard(impl=auto)")) == "moe_shard"
+  )
 
 
 def test_measured_only_for_the_published_block_and_scaled_to_the_batch():
@@ -69,3 +71,10 @@ def test_rounds_name_the_overflow_loops_of_both_exchanges():
   one, two = mm.ROUNDS[1], mm.ROUNDS[2]
   assert one[OVERFLOW_SCOPE] == 0 and one[RAGGED_SCOPE] == 0
   assert OVERFLOW_SCOPE not in two and RAGGED_SCOPE not in two  # once per entry
+
+
+def test_a_workload_without_a_published_step_has_no_measured_column():
+  w = mw.WORKLOADS["mixtral_8x7b_dropless"]
+  assert mw.measured_step_s(w) == (None, "no measured step of mixtral_8x7b_dropless is published")
+  row = mm.make_row(w, _meta({}), EST, UNSEEN)
+  assert row["block"] == "maxtext_dropless" and row["measured_step_s"] is None

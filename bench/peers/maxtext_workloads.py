@@ -193,6 +193,34 @@ WORKLOADS = {
       dims=MIXTRAL_8X7B,
     ),
     Workload(
+      name="mixtral_8x7b_dropless",
+      model_name="mixtral-8x7b",
+      compile_topology="v6e-256",
+      topology="v6e:16x16",
+      params={
+        "per_device_batch_size": 12,
+        "ici_fsdp_parallelism": -1,
+        "max_target_length": 4096,
+        "remat_policy": "full",
+        "attention": "flash",
+        "use_iota_embed": True,
+        "dataset_type": "synthetic",
+        "reuse_example_batch": 1,
+        "enable_checkpointing": False,
+        "sa_block_q": 2048,
+        "sa_block_q_dkv": 2048,
+        "sa_block_q_dq": 2048,
+        "megablox": True,
+        "sparse_matmul": True,
+        "tokenizer_path": "assets/tokenizer.mistral-v1",
+      },
+      xla_flags=(_MOE_VMEM_LIMIT + _CF_FOR_ALL_GATHER + _DATA_PARALLEL_OVERLAP).strip(),
+      measured={},  # no measured step of it is published
+      config_source=f"{MAXTEXT}/tpu-recipes-v0.1.2/benchmarks/maxtext_trillium_model_configs.py",
+      measured_with="not measured",
+      dims=MIXTRAL_8X7B,
+    ),
+    Workload(
       name="deepseek3_671b_v5p_1024",
       model_name="deepseek3-671b",
       compile_topology="v5p-1024",
@@ -344,9 +372,12 @@ def measured_step_s(workload):
   MaxText's FLOPs per device of the published config over it.
 
   Returns:
-    (float, str): the step time and a sentence saying where it comes from.
+    (float, str): the step time and a sentence saying where it comes from; (None, the
+    reason) for a workload with no published measurement.
   """
   m = workload.measured
+  if not m:
+    return None, f"no measured step of {workload.name} is published"
   if "step_s" in m:
     return m["step_s"], f"published step time ({m['source']})"
   p = workload.params
