@@ -59,9 +59,7 @@ def make_row(workload, meta, estimate, unseen, rounds=None):
   `rounds`: moe_shard's exchange rounds per call the estimate assumes (`ROUNDS`)."""
   changes = meta.get("changes") or {}
   block = block_name(workload, meta)
-  published = {**workload.params}
-  same_block = block == "maxtext_dropped" and float(published.get("capacity_factor", -1)) > 0
-  same_block |= block == "maxtext_dropless" and float(published.get("capacity_factor", -1)) <= 0
+  same_block = block == block_name(workload, {})  # the block the published config runs
   shared = {k: v for k, v in changes.items() if k not in BLOCK_FIELDS}
   row = {
     "workload": workload.name,

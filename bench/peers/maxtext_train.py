@@ -250,8 +250,11 @@ def main(argv=None):
     print(f"{len(refused)} of {len(mw.flag_list(workload.xla_flags))} flags refused")
     return 0
   out = pathlib.Path(a.out or f"/work/calib/{a.workload}")
-  chunk = None if a.chunk_size is None else tuple(int(c) for c in a.chunk_size.split(","))
-  chunk = chunk[0] if chunk is not None and len(chunk) == 1 else chunk
+  chunk = None
+  if a.chunk_size is not None:  # parsed as moe_shard.maxtext's command line parses it
+    from moe_shard import maxtext as ms_maxtext
+
+    chunk = ms_maxtext.split_options(["x", f"moe_shard_chunk_size={a.chunk_size}"])[0]["chunk_size"]
   meta = run(workload, out, parse_sets(a.set), a.drop_flag, a.block, a.impl, chunk)
   print(json.dumps(meta, indent=1, default=str))
   return 0

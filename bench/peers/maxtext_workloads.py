@@ -89,6 +89,24 @@ MIXTRAL_8X7B = Dims(
 )
 
 
+# Fields both Trillium Mixtral-8x7B configs share (tpu-recipes-v0.1.2's
+# maxtext_trillium_model_configs.py), less the profiling and GCS ones.
+_TRILLIUM_MIXTRAL = {
+  "per_device_batch_size": 12,
+  "ici_fsdp_parallelism": -1,
+  "max_target_length": 4096,
+  "attention": "flash",
+  "use_iota_embed": True,
+  "dataset_type": "synthetic",
+  "reuse_example_batch": 1,
+  "enable_checkpointing": False,
+  "sa_block_q": 2048,
+  "sa_block_q_dkv": 2048,
+  "sa_block_q_dq": 2048,
+  "tokenizer_path": "assets/tokenizer.mistral-v1",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
   """A published MaxText training run: what to compile and what was measured.
@@ -158,27 +176,16 @@ WORKLOADS = {
       compile_topology="v6e-256",
       topology="v6e:16x16",
       params={
-        "per_device_batch_size": 12,
-        "ici_fsdp_parallelism": -1,
-        "max_target_length": 4096,
+        **_TRILLIUM_MIXTRAL,
         "remat_policy": "custom",
         "decoder_layer_input": "offload",
         "out_proj": "offload",
         "query_proj": "offload",
         "key_proj": "offload",
         "value_proj": "offload",
-        "attention": "flash",
-        "use_iota_embed": True,
-        "dataset_type": "synthetic",
-        "reuse_example_batch": 1,
-        "enable_checkpointing": False,
-        "sa_block_q": 2048,
-        "sa_block_q_dkv": 2048,
-        "sa_block_q_dq": 2048,
         "megablox": False,
         "sparse_matmul": False,
         "capacity_factor": 1.25,
-        "tokenizer_path": "assets/tokenizer.mistral-v1",
       },
       xla_flags=(_MOE_VMEM_LIMIT + _CF_FOR_ALL_GATHER + _DATA_PARALLEL_OVERLAP).strip(),
       measured={
@@ -197,23 +204,7 @@ WORKLOADS = {
       model_name="mixtral-8x7b",
       compile_topology="v6e-256",
       topology="v6e:16x16",
-      params={
-        "per_device_batch_size": 12,
-        "ici_fsdp_parallelism": -1,
-        "max_target_length": 4096,
-        "remat_policy": "full",
-        "attention": "flash",
-        "use_iota_embed": True,
-        "dataset_type": "synthetic",
-        "reuse_example_batch": 1,
-        "enable_checkpointing": False,
-        "sa_block_q": 2048,
-        "sa_block_q_dkv": 2048,
-        "sa_block_q_dq": 2048,
-        "megablox": True,
-        "sparse_matmul": True,
-        "tokenizer_path": "assets/tokenizer.mistral-v1",
-      },
+      params={**_TRILLIUM_MIXTRAL, "remat_policy": "full", "megablox": True, "sparse_matmul": True},
       xla_flags=(_MOE_VMEM_LIMIT + _CF_FOR_ALL_GATHER + _DATA_PARALLEL_OVERLAP).strip(),
       measured={},  # no measured step of it is published
       config_source=f"{MAXTEXT}/tpu-recipes-v0.1.2/benchmarks/maxtext_trillium_model_configs.py",
