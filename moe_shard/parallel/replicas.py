@@ -409,18 +409,22 @@ def _sum_replicas(d_J, leader_S, *, cfg):
     recv_NJ.reshape(-1).astype(jnp.int32),
     rows_per_peer=min(J, G),
   )
+  # Each row here whose expert has followers adds their rows in place, in float32 (float64
+  # stays float64), rounded once: in bfloat16 each addition would round the partial sum
+  # again, the experts with the most replicas getting the least exact gradients.
   (came_G,) = jnp.nonzero(follower_S & (lead_dev_S == me), size=G, fill_value=0)
-  # Summed in float32 (float64 stays float64) and rounded once: in bfloat16, each addition
-  # would round the partial sum again, and the experts with the most replicas would get
-  # the least exact gradients. (Rows that take no sum widen and narrow back unchanged.)
+  from_G = jnp.where(jnp.arange(G) < jnp.sum(recv_NJ), leader_S[came_G] % J, J)  # J: padding
+  L = min(J, G)
+  summed_J = jnp.any(from_G[:, None] == jnp.arange(J), 0)
+  (lead_L,) = jnp.nonzero(summed_J, size=L, fill_value=0)
   acc = jnp.promote_types(d_J.dtype, jnp.float32)
-  wide_J = d_J.astype(acc)
-  for g in range(G):  # padding rows are zeros: adding them changes nothing
-    row = leader_S[came_G[g]] % J
-    wide_J = jax.lax.dynamic_update_index_in_dim(
-      wide_J, wide_J[row] + buf_GX[g].astype(acc), row, 0
-    )
-  d_J = wide_J.astype(d_J.dtype)
+  for l in range(L):  # a padding entry (l past the count) adds nothing to row 0
+    row = lead_L[l]
+    take_G = (from_G == row) & (l < jnp.sum(summed_J))
+    wide = d_J[row].astype(acc)
+    for g in range(G):
+      wide = wide + jnp.where(take_G[g], buf_GX[g], 0).astype(acc)
+    d_J = jax.lax.dynamic_update_index_in_dim(d_J, wide.astype(d_J.dtype), row, 0)
   # Return: each leader sends its sum to its followers' devices, into their rows.
   R = cfg.return_rows
   own_rank_S = jnp.sum(
@@ -439,7 +443,7 @@ def _sum_replicas(d_J, leader_S, *, cfg):
   )
   (mine_R,) = jnp.nonzero(mine(follower_S), size=R, fill_value=0)
   count = jnp.sum(mine(follower_S))
-  for r in range(R):
+  for r in range(R):  # one row each, in place
     row = mine_R[r]
     value = jnp.where(r < count, sums_RX[r], d_J[row])
     d_J = jax.lax.dynamic_update_index_in_dim(d_J, value, row, 0)
