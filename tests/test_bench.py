@@ -326,6 +326,7 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
     (["--routing", "zipf,spiky"], "unknown routing spiky"),
     (["-K", "9"], "top-k (9) must be <= experts (8)"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--chunk-size", "1152,0"], "--chunk-size must be >= 1 (got (1152, 0))"),
     (["--devices", "16"], "--devices 16: JAX is already initialised with 8 CPU devices"),
     (["--placement", "hot"], "unknown placement hot"),
     (["--replicas", "4"], "experts + replicas (8 + 4) must be divisible by the expert axis"),
@@ -337,6 +338,14 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
   err = capsys.readouterr().err.strip()
   assert err.startswith("python -m bench: error: ") and message in err
   assert "\n" not in err
+
+
+def test_chunk_size_takes_an_int_or_a_pair(capsys):
+  parse = lambda text: flags.parser().parse_args([*SMALL_ARGS, "--chunk-size", text]).chunk_size
+  assert parse("288") == 288 and parse("1152,288") == (1152, 288)
+  with pytest.raises(SystemExit):
+    parse("12x")
+  assert "expected C or C_FIRST,C_OVERFLOW, integers (got '12x')" in capsys.readouterr().err
 
 
 def _usage_error_before_any_run(monkeypatch, capsys, argv):

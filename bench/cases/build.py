@@ -32,7 +32,8 @@ class Size:
   dtype: str = "float32"
   capacity_factor: float = 1.25  # jit_gshard_einsum only
   zipf_s: float = 1.2
-  chunk_size: int | None = None  # all_to_all's C_first (None: the library's default)
+  # all_to_all's chunk_size: C, or (C_first, C_overflow) (None: the library's default).
+  chunk_size: int | tuple[int, int] | None = None
   # Layer level: MoEConfig.expert_tensor_axis and expert_fsdp_axis (axes of the mesh).
   expert_tensor_axis: str | None = None
   expert_fsdp_axis: str | None = None

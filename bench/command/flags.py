@@ -173,7 +173,12 @@ def parser():
     default=1.25,
     help="jit_gshard_einsum's capacity factor (default 1.25)",
   )
-  p.add_argument("--chunk-size", type=int, help="all_to_all's slots per pair and round")
+  p.add_argument(
+    "--chunk-size",
+    type=_chunk_size,
+    help="all_to_all's slots per pair and round: C, or C_FIRST,C_OVERFLOW (round 0, then the"
+    " overflow rounds; default: the library's)",
+  )
   p.add_argument(
     "--devices",
     type=int,
@@ -203,6 +208,17 @@ def parser():
   )
   distributed.add_arguments(p)
   return p
+
+
+def _chunk_size(text):
+  """--chunk-size: "C" gives the int C, "C_FIRST,C_OVERFLOW" the pair (MoEConfig.chunk_size)."""
+  try:
+    parts = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    parts = ()
+  if len(parts) not in (1, 2):
+    raise argparse.ArgumentTypeError(f"expected C or C_FIRST,C_OVERFLOW, integers (got {text!r})")
+  return parts[0] if len(parts) == 1 else parts
 
 
 def _impl_names():
