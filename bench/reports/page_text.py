@@ -204,10 +204,9 @@ NOTES = {
     "the 1x1 mesh takes the local path (no exchange)."
   ),
   "tpu_v6e_2x4_skew_exchanges_quarter_rounds": (
-    "Compiled at commits ed04f6b (s=1.2) and 7dd209b (s=0.6; the same library code), where "
-    "all_to_all's overflow rounds carried C_first / 4 slots "
-    "per pair (288 here), against C_first (1152) since: the all_to_all rows ran 9 and 5 "
-    "rounds (3 and 2 since); the ragged dispatch's rows are as in `tpu_v6e_2x4_skew_exchanges`."
+    "all_to_all's overflow rounds carry C_first / 4 slots per pair (`--chunk-size 1152,288`), "
+    "against the default's C_first (1152, `tpu_v6e_2x4_skew_exchanges`): its rows run 9 and "
+    "5 rounds (3 and 2 by default); the ragged dispatch's rows are as in that file."
   ),
   "tpu_v5e_ragged": (
     "The first version of the ragged dispatch: overflow rounds as large as round 0 and "
