@@ -326,6 +326,7 @@ def test_cli_run_writes_json_csv_markdown_and_plot(tmp_path, capsys):
     (["--routing", "zipf,spiky"], "unknown routing spiky"),
     (["-K", "9"], "top-k (9) must be <= experts (8)"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--chunk-size", "0"], "--chunk-size must be >= 1 (got 0)"),
     (["--chunk-size", "1152,0"], "--chunk-size must be >= 1 (got (1152, 0))"),
     (["--devices", "16"], "--devices 16: JAX is already initialised with 8 CPU devices"),
     (["--placement", "hot"], "unknown placement hot"),

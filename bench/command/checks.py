@@ -86,8 +86,8 @@ def settings(a):
     raise UsageError(f"--hbm-table must be >= 0 (got {a.hbm_table})")
   if a.capacity_factor <= 0:
     raise UsageError(f"--capacity-factor must be > 0 (got {a.capacity_factor})")
-  chunks = a.chunk_size if isinstance(a.chunk_size, tuple) else (a.chunk_size or 1,)
-  if min(chunks) < 1:
+  chunks = a.chunk_size if isinstance(a.chunk_size, tuple) else (a.chunk_size,)
+  if a.chunk_size is not None and min(chunks) < 1:
     raise UsageError(f"--chunk-size must be >= 1 (got {a.chunk_size})")
   if not (math.isfinite(a.zipf_s) and a.zipf_s > 0):
     raise UsageError(f"--zipf-s must be a finite number > 0 (got {a.zipf_s})")
