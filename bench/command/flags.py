@@ -211,14 +211,15 @@ def parser():
 
 
 def _chunk_size(text):
-  """--chunk-size: "C" gives the int C, "C_FIRST,C_OVERFLOW" the pair (MoEConfig.chunk_size)."""
+  """--chunk-size: "C" gives the int C, "C_FIRST,C_OVERFLOW" the pair (MoEConfig.chunk_size),
+  parsed as moe_shard.maxtext's command line parses `moe_shard_chunk_size`."""
+  from moe_shard import maxtext
+
   try:
-    parts = tuple(int(x) for x in text.split(","))
+    return maxtext.split_options(["x", f"moe_shard_chunk_size={text}"])[0]["chunk_size"]
   except ValueError:
-    parts = ()
-  if len(parts) not in (1, 2):
-    raise argparse.ArgumentTypeError(f"expected C or C_FIRST,C_OVERFLOW, integers (got {text!r})")
-  return parts[0] if len(parts) == 1 else parts
+    msg = f"expected C or C_FIRST,C_OVERFLOW, integers (got {text!r})"
+    raise argparse.ArgumentTypeError(msg) from None
 
 
 def _impl_names():
