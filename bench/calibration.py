@@ -18,7 +18,8 @@ parts, estimate / measured, and what the estimate does not see, sized where the 
     (`measure.dependent_collectives`) times the slice's fixed cost of one collective
     (`tpu.collective_latency_s`, from the chips' coordinates: libtpu on the path);
   * Pallas kernels: their FLOPs and bytes as declared (or, for grouped matmuls, as their
-    grid visits them at the routing's expected rows, `--groups`), not their run time.
+    grid visits them at the routing's expected rows, `--groups`; for splash attention, which
+    declares no FLOPs, the blocks its mask leaves), not their run time.
 
 Where a published config does not compile here, its folder holds the compile of the
 smallest change that does (meta.json's `changes`); a change of per_device_batch_size scales
@@ -115,20 +116,10 @@ def kernel_flops(compiled_or_text, trip_counts=None):
   return {"kernel_flops": total, "kernel_calls": calls}
 
 
-# Matmuls of Sq x Skv x head_dim per (batch, head) that each splash-attention kernel runs:
-# the forward QK^T and PV; dkv recomputes QK^T and forms dP, dV, dK; dq recomputes QK^T and
-# forms dP, dQ; a fused backward does both without the second recompute.
-SPLASH_MATMULS = {"fwd": 2, "dkv": 4, "dq": 3, "bwd": 5}
-_SPLASH_RE = re.compile(r'op_name="[^"]*splash_mha_(fwd|dkv|dq|bwd)[^"/]*/pallas_call"')
-
-
 def splash_flops(compiled_or_text, trip_counts=None):
-  """FLOPs of the splash-attention kernels, which declare none, from their shapes.
-
-  Each kernel (`SPLASH_MATMULS` by its role) multiplies q [B, H, Sq, hd] against k
-  [B, Hkv, Skv, hd] block by block, skipping the blocks its mask rules out: with a causal
-  mask over an n x n grid of blocks (its s8[1, n, n] mask operand) it visits
-  n (n + 1) / 2 of the n^2 blocks.
+  """FLOPs of the splash-attention kernels (loops scaled), which declare none: the part of
+  the estimate's FLOPs that `hlo_ops.splash_flops` counts from their shapes and the blocks
+  their grid visits.
 
   Returns:
     dict: splash_flops (loops scaled), splash_calls.
@@ -141,20 +132,9 @@ def splash_flops(compiled_or_text, trip_counts=None):
   for comp, instrs in mod.comps.items():
     types = {ins.name: ins.type for ins in instrs}
     for ins in instrs:
-      role = _SPLASH_RE.search(ins.attrs) if ins.opcode == "custom-call" else None
-      if not role:
-        continue
-      dims = [hlo_ops._dims(types.get(o, "")) for o in ins.operands]
-      qk = [d for d in dims if len(d) == 4]
-      grid = [d for d in dims if len(d) == 3 and d[0] == 1 and d[1] == d[2]]
-      if len(qk) < 2:
-        continue
-      (b, h, sq, hd), skv = qk[0], qk[1][2]
-      n = grid[0][1] if grid else 1
-      visited = (n + 1) / (2 * n) if grid else 1.0
-      flops = SPLASH_MATMULS[role.group(1)] * 2 * b * h * sq * skv * hd * visited
-      total += runs.get(comp, 0.0) * flops
-      calls += 1
+      if hlo_ops.splash_role(ins):
+        total += runs.get(comp, 0.0) * hlo_ops.splash_flops(ins, types)
+        calls += 1
   return {"splash_flops": total, "splash_calls": calls}
 
 
@@ -211,8 +191,8 @@ def make_row(workload, meta, estimate, extra):
   for c, key in COLUMNS.items():
     row[c] = estimate[key] * scale
   row["ratio"] = row["estimate_step_s"] / measured
-  # The unseen terms the HLO sizes, added: splash attention at peak, the collectives' latency.
-  unseen_s = (extra.get("splash_s") or 0.0) + (extra.get("latency_s") or 0.0)
+  # The unseen term the HLO sizes, added: the dependent collectives' latency.
+  unseen_s = extra.get("latency_s") or 0.0
   row["with_unseen_s"] = row["estimate_step_s"] + unseen_s * scale
   row["ratio_with_unseen"] = row["with_unseen_s"] / measured
   for c in ("flops", "hbm_bytes", "hbm_bytes_xla"):
@@ -282,10 +262,11 @@ def tables(rows):
     )
   lines += [
     "",
-    "What the estimate does not see, per step and device:",
+    "What the estimate does not see, per step and device, and the splash-attention kernels "
+    "it counts from their shapes:",
     "",
     "| workload | to host GB | from host GB | host link s | dependent collectives "
-    "| their latency s | declared Pallas FLOPs share | splash attention s at peak |",
+    "| their latency s | declared Pallas FLOPs share | splash attention s at peak (counted) |",
     "|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
@@ -297,9 +278,10 @@ def tables(rows):
     )
   lines += [
     "",
-    "with unseen: the estimate plus the splash-attention kernels' FLOPs at peak (they declare "
-    "none; `splash_flops`) and the latency of the dependent collectives; the host transfers "
-    "are listed, not added (they run beside the compute).",
+    "with unseen: the estimate plus the latency of the dependent collectives; the host "
+    "transfers are listed, not added (they run beside the compute). Splash attention declares "
+    "no FLOPs: the estimate counts the blocks its causal mask leaves (`hlo_ops.splash_flops`); "
+    "the last column is that count at peak.",
   ]
   return "\n".join(lines)
 

@@ -146,6 +146,40 @@ def test_a_grouped_kernel_counts_the_tiles_its_grid_visits():
   assert _row(GROUPED, "custom-call", groups={8: [1] * 8})["hbm"] == 9_000_000
 
 
+SPLASH = """HloModule m, is_scheduled=true
+
+ENTRY %main (m: s8[1,4,4], q: bf16[1,8,2048,128], k: bf16[1,8,2048,128]) -> (bf16[1,8,2048,128], bf16[1,8,2048,128], bf16[1,8,2048,128]) {
+  %m = s8[1,4,4]{2,1,0} parameter(0)
+  %q = bf16[1,8,2048,128]{3,2,1,0} parameter(1)
+  %k = bf16[1,8,2048,128]{3,2,1,0} parameter(2)
+  %f = bf16[1,8,2048,128]{3,2,1,0} custom-call(%m, %m, %q, %k, %k), custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/splash_mha_fwd_no_residuals/pallas_call"}
+  %a = bf16[1,8,2048,128]{3,2,1,0} custom-call(%q, %k, %k), custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/splash_mha_dq/pallas_call"}
+  %d = bf16[1,8,2048,128]{3,2,1,0} custom-call(%m, %q, %k, %k), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"cost_estimate":{"flops":"1000","transcendentals":"0","bytes_accessed":"4000"}}}, metadata={op_name="jit(step)/splash_mha_dkv/pallas_call"}
+  ROOT %t = (bf16[1,8,2048,128]{3,2,1,0}, bf16[1,8,2048,128]{3,2,1,0}, bf16[1,8,2048,128]{3,2,1,0}) tuple(%f, %a, %d)
+}
+"""
+
+
+def test_splash_attention_counts_the_blocks_its_mask_leaves():
+  # Splash attention declares no FLOPs. The forward's 2 matmuls of 2*B*H*S*S*hd over the 10
+  # of 16 blocks a causal 4 x 4 grid leaves; the dq kernel, with no mask operand, all 16
+  # blocks of its 3; a kernel that declares its cost keeps what it declares.
+  full = 2.0 * 8 * 2048 * 2048 * 128
+  ops = {r["name"]: r for r in hbm.op_bytes(SPLASH)}
+  assert ops["f"]["flops"] == pytest.approx(2 * full * 10 / 16)
+  assert ops["a"]["flops"] == pytest.approx(3 * full)
+  assert ops["d"]["flops"] == 1000
+  peak = tpu.PEAKS["v5e"]
+  got = estimate.step_estimate(SPLASH, "v5e:2x4")
+  assert got["flops"] == pytest.approx(2 * full * 10 / 16 + 3 * full + 1000)
+  # Each splash kernel is FLOP-bound: its time is its FLOPs at peak, not its bytes.
+  fwd_s = 2 * full * 10 / 16 / peak["flops"]
+  assert fwd_s > ops["f"]["hbm"] / peak["hbm"]
+  assert got["estimate_s"] == pytest.approx(
+    fwd_s + 3 * full / peak["flops"] + ops["d"]["hbm"] / peak["hbm"]
+  )
+
+
 def test_time_is_summed_per_op_and_the_whole_step_max_is_the_lower_bound():
   # One FLOP-bound matmul (2048^3 in f32, few bytes per FLOP) and one HBM-bound negate of
   # a large buffer: per op each takes its own larger term; the step max hides one of them.

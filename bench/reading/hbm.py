@@ -30,7 +30,9 @@ same rules serve every TPU row, the project's and the peers' (`bench/peers`):
     visited rows. The group sizes are known only at run time: the benchmark passes the
     expected rows per group of its host routing (uniform, Zipf), from which the visited
     tiles follow. Without `groups` a kernel counts what it declares (its whole row buffer
-    and a matrix block per possible tile: an upper bound).
+    and a matrix block per possible tile: an upper bound). Splash attention declares no
+    FLOPs: its FLOPs are the blocks of its grid that its mask leaves
+    (`hlo_ops.splash_flops`), its bytes its operands and result.
 
 The program's HBM bytes are each op's `hbm` times its runs (`step_bytes`): one model on
 both sides, loop bodies included. XLA's own "bytes accessed" (`cost_analysis()`, every
@@ -194,7 +196,8 @@ def op_bytes(compiled_or_text, trip_counts=None, groups=None, row_tile=ROW_TILE)
 
 def op_flops(mod):
   """A function (instruction, {name: type} of its computation) -> FLOPs of one run: a dot or
-  convolution, a Pallas kernel's declared cost, or the dots of what a fusion calls."""
+  convolution, a Pallas kernel's declared cost (splash attention's, which declares none, the
+  blocks its grid visits: `hlo_ops.splash_flops`), or the dots of what a fusion calls."""
   own = {}
 
   def inside(comp):
@@ -212,7 +215,7 @@ def op_flops(mod):
     if ins.opcode == "convolution":
       return hlo_ops._conv_flops(ins, types)
     if ins.opcode == "custom-call":
-      return hlo_ops.custom_call_flops(ins.attrs)
+      return hlo_ops.custom_call_flops(ins.attrs) or hlo_ops.splash_flops(ins, types)
     return 0.0
 
   return of

@@ -1,5 +1,6 @@
 """What one HLO instruction costs: the bytes of its types, the FLOPs of a dot, a convolution or
-a Pallas kernel (the cost it declares), and the wire bytes of a collective. `hlo.parse_hlo`
+a Pallas kernel (the cost it declares; splash attention's, which declares none, from its
+shapes), and the wire bytes of a collective. `hlo.parse_hlo`
 reads them into each computation's totals; `measure` scales those by how often it runs.
 `instruction_lines` puts an instruction written over several lines back on one."""
 
@@ -118,6 +119,44 @@ def custom_call_flops(attrs):
     return 0.0
   m = _COST_RE.search(attrs)
   return float(m.group(1)) if m else 0.0
+
+
+# Matmuls of Sq x Skv x head_dim per (batch, head) that each splash-attention kernel runs:
+# the forward QK^T and PV; dkv recomputes QK^T and forms dP, dV, dK; dq recomputes QK^T and
+# forms dP, dQ; a fused backward does both without the second recompute.
+SPLASH_MATMULS = {"fwd": 2, "dkv": 4, "dq": 3, "bwd": 5}
+_SPLASH_RE = re.compile(r'op_name="[^"]*splash_mha_(fwd|dkv|dq|bwd)[^"/]*/pallas_call"')
+
+
+def splash_role(ins):
+  """The splash-attention kernel an instruction is ("fwd", "dkv", "dq", "bwd"), else None."""
+  if ins.opcode != "custom-call" or 'custom_call_target="tpu_custom_call"' not in ins.attrs:
+    return None
+  m = _SPLASH_RE.search(ins.attrs)
+  return m.group(1) if m else None
+
+
+def splash_flops(ins, types):
+  """FLOPs of one run of a splash-attention kernel, which declares none, from its shapes and
+  the blocks its grid visits; 0 for any other instruction.
+
+  The kernel multiplies q [B, H, Sq, hd] against k [B, Hkv, Skv, hd] block by block
+  (`SPLASH_MATMULS` by its role), skipping the blocks its mask rules out: with a causal
+  mask over an n x n grid of blocks (its s8[1, n, n] mask operand) it visits n (n + 1) / 2
+  of the n^2 blocks; without such an operand, all of them.
+  """
+  role = splash_role(ins)
+  if role is None:
+    return 0.0
+  dims = [_dims(types.get(o, "")) for o in ins.operands]
+  qk = [d for d in dims if len(d) == 4]
+  grid = [d for d in dims if len(d) == 3 and d[0] == 1 and d[1] == d[2]]
+  if len(qk) < 2:
+    return 0.0
+  (b, h, sq, hd), skv = qk[0], qk[1][2]
+  n = grid[0][1] if grid else 1
+  visited = (n + 1) / (2 * n) if grid else 1.0
+  return SPLASH_MATMULS[role] * 2.0 * b * h * sq * skv * hd * visited
 
 
 def _conv_flops(ins, types):
