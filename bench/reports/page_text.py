@@ -140,8 +140,9 @@ NOTES = {
     "published per_device_batch_size 6 does not fit v5p's HBM here either (97.19 GB of "
     "temporaries against 95.73 GB); 4 compiles (80.5 GB), its estimate scaled by 6 / 4, "
     "which also scales the step's fixed parts (the FSDP gathers of the weights), so the "
-    "scaled estimate is if anything high. Its gap is mostly splash attention, which declares "
-    "no FLOPs (18.1 s at peak, scaled), and the host offload of the decoder layers' inputs "
+    "scaled estimate is if anything high. Splash attention declares no FLOPs: the estimate "
+    "counts the blocks its causal mask leaves (18.1 s of DeepSeek-V3's step at peak, "
+    "scaled). What it does not see there is the host offload of the decoder layers' inputs "
     "(90 GB each way per step, scaled; no v5p host link figure is cited, so no time)."
   ),
   "tpu_v5e_2x4_maxtext": (
