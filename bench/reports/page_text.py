@@ -41,7 +41,6 @@ SECTIONS = {
   ),
   "tpu_tpu7x_2x2x1_skew": "Replicated experts under Zipf routing, compiled for TPU7x 2x2x1",
   "tpu_tpu7x_2x2x1_decode": "Decode: Qwen3-30B-A3B's layer, both exchanges, TPU7x 2x2x1",
-  "tpu_v5e_ragged": "ragged_all_to_all against all_to_all, v5e 2x4, its first version",
   "tpu_v5e_2x4": "Every implementation compiled for TPU v5e 2x4, an earlier tree",
   "tpu_v6e_2x4": "The layer at E=64 compiled for TPU v6e 2x4, an earlier tree",
   "tpu_v6e_2x4_layer": "The layer compiled for TPU v6e 2x4, an earlier tree",
@@ -208,10 +207,6 @@ NOTES = {
     "all_to_all's overflow rounds carry C_first / 4 slots per pair (`--chunk-size 1152,288`), "
     "against the default's C_first (1152, `tpu_v6e_2x4_skew_exchanges`): its rows run 9 and "
     "5 rounds (3 and 2 by default); the ragged dispatch's rows are as in that file."
-  ),
-  "tpu_v5e_ragged": (
-    "The first version of the ragged dispatch: overflow rounds as large as round 0 and "
-    "XLA's byte count with each loop body once."
   ),
   "tpu_v5p_8x8x4_deepseek_T1M": (
     "x (28 GiB in float32) is never drawn on the host: the routing the accounting counts is "
