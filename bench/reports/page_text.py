@@ -41,7 +41,7 @@ SECTIONS = {
   ),
   "tpu_tpu7x_2x2x1_skew": "Replicated experts under Zipf routing, compiled for TPU7x 2x2x1",
   "tpu_tpu7x_2x2x1_decode": "Decode: Qwen3-30B-A3B's layer, both exchanges, TPU7x 2x2x1",
-  "tpu_v5e_2x4": "Every implementation compiled for TPU v5e 2x4, an earlier tree",
+  "tpu_v5e_2x4": "Every implementation compiled for TPU v5e 2x4",
   "tpu_v6e_2x4": "The layer at E=64 compiled for TPU v6e 2x4, an earlier tree",
   "tpu_v6e_2x4_layer": "The layer compiled for TPU v6e 2x4, an earlier tree",
   "tpu_v5e_2x4_deepseek": "A DeepSeek-like layer compiled for TPU v5e 2x4",
@@ -108,13 +108,14 @@ OLD_TPU_COUNT = (
 
 NOTES = {
   "tpu_v5e_2x4_adapters": (
-    "The adapters' cost on the training step, roofline estimates: bf16 experts 1.21x (E=8) "
-    "and 1.28x (E=64) the step without them, int8 experts (frozen: no weight gradient) 1.60x "
-    "and 1.47x, against a target of 1.1x; their FLOPs are 1% of the experts'. The step is "
-    "HBM-bound with them: each adapter matmul is a pass of its own over the rows it "
-    "multiplies (x read again for x @ a, the low-rank products added to the base's outputs, "
-    "the backward's dy read twice more), 1.8-2.4 GB more per device. A grouped matmul that "
-    "computes x @ a and adds (x @ a) @ b inside the base matmul's tiles would not make them."
+    "The adapters' cost on the training step, by the one count: bf16 experts 1.16x (E=8: "
+    "9.70 against 8.35 ms) and 1.19x (E=64: 10.68 against 8.99) the step without them, int8 "
+    "experts (frozen: no weight gradient) 1.25x (7.31 against 5.87) and 1.26x (8.24 against "
+    "6.53), against a target of 1.1x; their FLOPs are 1% of the experts'. Each adapter "
+    "matmul is a pass of its own over the rows it multiplies (x read again for x @ a, the "
+    "low-rank products added to the base's outputs, the backward's dy read twice more): "
+    "0.6-1.4 GB more HBM traffic per device. A grouped matmul that computes x @ a and adds "
+    "(x @ a) @ b inside the base matmul's tiles would not make them."
   ),
   "cpu_adapters": (
     "Measured while other sessions loaded the 2 cores (load average 3.8 at the start, 7.4 at "
@@ -122,10 +123,15 @@ NOTES = {
     "adapters; int8 experts 1.05x and 1.75x (its adapter row's runs spread from 1.8 to 3.5 s: "
     "1.43x on the fastest runs), where the frozen int8 layer computes no weight gradient."
   ),
-  "tpu_v5e_2x4": _OLD_CONV_COUNT,
+  "tpu_v5e_2x4": (
+    'jit_ragged_dot does not compile for TPU: its grouped matmul (`gmm_impl="auto"`, '
+    "megablox's Pallas kernel) cannot be partitioned by XLA under `jax.jit` with sharded "
+    "tokens ([dispatch guide](guides/dispatch.md)). all_gather's training step at E=64 runs "
+    "out of VMEM in the compile (Mosaic's `CompileTimeScopedVmemOom`); jit_masked_scan's at "
+    "E=64 needs 29 GB of temporaries, more than v5e's 16 GB."
+  ),
   "tpu_v6e_2x4": _OLD_CONV_COUNT,
   "tpu_v6e_2x4_layer": _OLD_CONV_COUNT,
-  "tpu_v5e_2x4_deepseek": _OLD_CONV_COUNT,
   "tpu_calibration": (
     "The command runs from the repository root with `PYTHONPATH=.tpu-libs` (libtpu gives the "
     "chips' coordinates, for the collectives' latency) on the folders that "
