@@ -256,7 +256,11 @@ def moe_ragged_dot(
     w: f[E, D, F], or an expert-FFN pytree (e.g. `SwiGLU`) with the expert axis first.
     experts: int[T] (top-1) or int[T, K] expert ids; ids outside [0, E) contribute zero.
     weights: f[T, K] (the shape of `experts`) combine weights, or None for ones (default).
-    gmm_impl: `grouped_matmul` implementation (default "auto").
+    gmm_impl: `grouped_matmul` implementation (default "auto"). On TPU "auto" takes
+      megablox's Pallas kernels, which XLA cannot partition: under `jax.jit` with inputs
+      sharded over several devices, pass "ragged_dot" (XLA's own, which it shards), or
+      call this inside a `shard_map`; else the compile raises NotImplementedError
+      ("Mosaic kernels cannot be automatically partitioned").
 
   Returns:
     y_TF: f[T, F] in the dtype of `x_TD` (matmuls accumulate in float32).
