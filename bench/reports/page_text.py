@@ -42,8 +42,8 @@ SECTIONS = {
   "tpu_tpu7x_2x2x1_skew": "Replicated experts under Zipf routing, compiled for TPU7x 2x2x1",
   "tpu_tpu7x_2x2x1_decode": "Decode: Qwen3-30B-A3B's layer, both exchanges, TPU7x 2x2x1",
   "tpu_v5e_2x4": "Every implementation compiled for TPU v5e 2x4",
-  "tpu_v6e_2x4": "The layer at E=64 compiled for TPU v6e 2x4, an earlier tree",
-  "tpu_v6e_2x4_layer": "The layer compiled for TPU v6e 2x4, an earlier tree",
+  "tpu_v6e_2x4": "The layer at E=64 compiled for TPU v6e 2x4",
+  "tpu_v6e_2x4_layer": "The layer compiled for TPU v6e 2x4",
   "tpu_v5e_2x4_deepseek": "A DeepSeek-like layer compiled for TPU v5e 2x4",
   "tpu_v5p_8x8x4_deepseek_T1M": (
     "DeepSeek-V3's layer size (T=1M, D=7168, F=2048, E=256, K=8) compiled for TPU v5p 8x8x4"
@@ -89,14 +89,6 @@ SECTIONS = {
 }
 
 
-# What a reader needs to know about a file beyond its rows.
-_OLD_CONV_COUNT = (
-  "Counted before `bench.reading.measure` counted a convolution's valid taps only: the "
-  "jit_gshard_einsum rows over-count the FLOPs of the convolutions in their loop bodies "
-  "(on v5e 2x4 the GShard layer's E=64 forward went from 11 ms to 4.4 ms when recounted)."
-)
-
-
 # A TPU file whose rows predate the one count (`bench/reading/estimate.py`).
 OLD_TPU_COUNT = (
   "Counted before the one count: these rows carry no estimate (`estimate_s`); their lower "
@@ -106,6 +98,7 @@ OLD_TPU_COUNT = (
 )
 
 
+# What a reader needs to know about a file beyond its rows.
 NOTES = {
   "tpu_v5e_2x4_adapters": (
     "The adapters' cost on the training step, by the one count: bf16 experts 1.16x (E=8: "
@@ -130,8 +123,10 @@ NOTES = {
     "out of VMEM in the compile (Mosaic's `CompileTimeScopedVmemOom`); jit_masked_scan's at "
     "E=64 needs 29 GB of temporaries, more than v5e's 16 GB."
   ),
-  "tpu_v6e_2x4": _OLD_CONV_COUNT,
-  "tpu_v6e_2x4_layer": _OLD_CONV_COUNT,
+  "tpu_v6e_2x4": (
+    "all_gather's training step runs out of VMEM in the compile (Mosaic's "
+    "`CompileTimeScopedVmemOom`), as on v5e."
+  ),
   "tpu_calibration": (
     "The command runs from the repository root with `PYTHONPATH=.tpu-libs` (libtpu gives the "
     "chips' coordinates, for the collectives' latency) on the folders that "
@@ -264,6 +259,5 @@ means: `python -m bench --help`, and the [TPU and GPU guide](guides/tpu_gpu.md).
 - *efficiency* is the dense limit's time over the row's (the routed FLOPs as plain dense
   matmuls on each device, no routing or communication); *x bound* the bytes sent per
   device over the least a dispatch must send (uniform routing / this routing).
-- A results file records the tree it was measured on only through the git history; the
-  sections marked "an earlier tree" predate changes to the dispatches.
+- A results file records the tree it was measured on only through the git history.
 """
