@@ -271,17 +271,18 @@ def tables(rows):
   ]
   for r in rows:
     u = r["unseen"]
+    splash = None if u.get("splash_s") is None else u["splash_s"] * r["scale"]
     lines.append(
       f"| {r['workload']} | {u['to_host_bytes'] / 1e9:.1f} | {u['from_host_bytes'] / 1e9:.1f} "
       f"| {_fmt(u['host_s'])} | {u['dependent_collectives']:.0f} | {_fmt(u['latency_s'], '.3f')} "
-      f"| {u['kernel_flops_share']:.2f} | {_fmt(u.get('splash_s'))} |"
+      f"| {u['kernel_flops_share']:.2f} | {_fmt(splash)} |"
     )
   lines += [
     "",
     "with unseen: the estimate plus the latency of the dependent collectives; the host "
     "transfers are listed, not added (they run beside the compute). Splash attention declares "
     "no FLOPs: the estimate counts the blocks its causal mask leaves (`hlo_ops.splash_flops`); "
-    "the last column is that count at peak.",
+    "the last column is that count at peak, scaled as the estimate.",
   ]
   return "\n".join(lines)
 

@@ -180,6 +180,24 @@ def test_splash_attention_counts_the_blocks_its_mask_leaves():
   )
 
 
+def test_splash_attention_reads_rectangular_masks_and_vs_head_dim():
+  # v6e Mixtral's q blocks are 4x its kv blocks (a [1, 2, 8] mask: 12 of the 16 blocks are
+  # causal), and DeepSeek's MLA has q and k at 192, v at 128: dkv's 4 matmuls are 2 over
+  # each head dim.
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (m: s8[1,2,8], q: bf16[1,4,1024,192], k: bf16[1,4,1024,192], v: bf16[1,4,1024,128]) -> bf16[1,4,1024,192] {
+  %m = s8[1,2,8]{2,1,0} parameter(0)
+  %q = bf16[1,4,1024,192]{3,2,1,0} parameter(1)
+  %k = bf16[1,4,1024,192]{3,2,1,0} parameter(2)
+  %v = bf16[1,4,1024,128]{3,2,1,0} parameter(3)
+  ROOT %d = bf16[1,4,1024,192]{3,2,1,0} custom-call(%m, %q, %k, %v), custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/splash_mha_dkv/pallas_call"}
+}
+"""
+  (got,) = [r for r in hbm.op_bytes(text) if r["opcode"] == "custom-call"]
+  assert got["flops"] == pytest.approx(2.0 * 4 * 1024 * 1024 * (2 * 192 + 2 * 128) * 12 / 16)
+
+
 def test_time_is_summed_per_op_and_the_whole_step_max_is_the_lower_bound():
   # One FLOP-bound matmul (2048^3 in f32, few bytes per FLOP) and one HBM-bound negate of
   # a large buffer: per op each takes its own larger term; the step max hides one of them.

@@ -1,6 +1,6 @@
 """What one HLO instruction costs: the bytes of its types, the FLOPs of a dot, a convolution or
 a Pallas kernel (the cost it declares; splash attention's, which declares none, from its
-shapes), and the wire bytes of a collective. `hlo.parse_hlo`
+shapes, counted by the one estimate's `hbm.op_flops`), and the wire bytes of a collective. `hlo.parse_hlo`
 reads them into each computation's totals; `measure` scales those by how often it runs.
 `instruction_lines` puts an instruction written over several lines back on one."""
 
@@ -121,10 +121,11 @@ def custom_call_flops(attrs):
   return float(m.group(1)) if m else 0.0
 
 
-# Matmuls of Sq x Skv x head_dim per (batch, head) that each splash-attention kernel runs:
-# the forward QK^T and PV; dkv recomputes QK^T and forms dP, dV, dK; dq recomputes QK^T and
-# forms dP, dQ; a fused backward does both without the second recompute.
-SPLASH_MATMULS = {"fwd": 2, "dkv": 4, "dq": 3, "bwd": 5}
+# The matmuls of Sq x Skv per (batch, head) each splash-attention kernel runs, as (those
+# over q and k's head dim, those over v's): the forward QK^T and PV; dkv recomputes QK^T and
+# forms dP = dO V^T, dV = P^T dO, dK = dS^T Q; dq recomputes QK^T and forms dP, dQ = dS K;
+# a fused backward does both without the second recompute.
+SPLASH_MATMULS = {"fwd": (1, 1), "dkv": (2, 2), "dq": (2, 1), "bwd": (3, 2)}
 _SPLASH_RE = re.compile(r'op_name="[^"]*splash_mha_(fwd|dkv|dq|bwd)[^"/]*/pallas_call"')
 
 
@@ -136,27 +137,35 @@ def splash_role(ins):
   return m.group(1) if m else None
 
 
+def causal_share(nq, nkv):
+  """The share of an nq x nkv grid of blocks a causal mask leaves, q and kv of one length:
+  q block i reaches kv blocks 0 .. ceil((i + 1) nkv / nq) - 1."""
+  return sum(-(-(i + 1) * nkv // nq) for i in range(nq)) / (nq * nkv)
+
+
 def splash_flops(ins, types):
   """FLOPs of one run of a splash-attention kernel, which declares none, from its shapes and
   the blocks its grid visits; 0 for any other instruction.
 
-  The kernel multiplies q [B, H, Sq, hd] against k [B, Hkv, Skv, hd] block by block
-  (`SPLASH_MATMULS` by its role), skipping the blocks its mask rules out: with a causal
-  mask over an n x n grid of blocks (its s8[1, n, n] mask operand) it visits n (n + 1) / 2
-  of the n^2 blocks; without such an operand, all of them.
+  The kernel multiplies q [B, H, Sq, dq] against k [B, Hkv, Skv, dq] and v [B, Hkv, Skv,
+  dv] (its first three rank-4 operands; DeepSeek's MLA has dq 192, dv 128) block by block,
+  `SPLASH_MATMULS` by its role, skipping the blocks its mask rules out: with a mask operand
+  s8[1, nq, nkv] (MaxText's causal mask) the share `causal_share(nq, nkv)` of them;
+  without one, all.
   """
   role = splash_role(ins)
   if role is None:
     return 0.0
-  dims = [_dims(types.get(o, "")) for o in ins.operands]
-  qk = [d for d in dims if len(d) == 4]
-  grid = [d for d in dims if len(d) == 3 and d[0] == 1 and d[1] == d[2]]
-  if len(qk) < 2:
+  shapes = [(types.get(o, "")[:3], _dims(types.get(o, ""))) for o in ins.operands]
+  qkv = [d for _, d in shapes if len(d) == 4]
+  grid = [d for kind, d in shapes if kind == "s8[" and len(d) == 3 and d[0] == 1]
+  if len(qkv) < 2:
     return 0.0
-  (b, h, sq, hd), skv = qk[0], qk[1][2]
-  n = grid[0][1] if grid else 1
-  visited = (n + 1) / (2 * n) if grid else 1.0
-  return SPLASH_MATMULS[role] * 2.0 * b * h * sq * skv * hd * visited
+  (b, h, sq, d_qk), skv = qkv[0], qkv[1][2]
+  d_v = qkv[2][3] if len(qkv) > 2 else d_qk
+  visited = causal_share(grid[0][1], grid[0][2]) if grid else 1.0
+  over_qk, over_v = SPLASH_MATMULS[role]
+  return 2.0 * b * h * sq * skv * (over_qk * d_qk + over_v * d_v) * visited
 
 
 def _conv_flops(ins, types):

@@ -141,7 +141,7 @@ NOTES = {
     "temporaries against 95.73 GB); 4 compiles (80.5 GB), its estimate scaled by 6 / 4, "
     "which also scales the step's fixed parts (the FSDP gathers of the weights), so the "
     "scaled estimate is if anything high. Splash attention declares no FLOPs: the estimate "
-    "counts the blocks its causal mask leaves (18.1 s of DeepSeek-V3's step at peak, "
+    "counts the blocks its causal mask leaves (15.3 s of DeepSeek-V3's step at peak, "
     "scaled). What it does not see there is the host offload of the decoder layers' inputs "
     "(90 GB each way per step, scaled; no v5p host link figure is cited, so no time)."
   ),
