@@ -50,7 +50,8 @@ def masked_scan(
 
 
 def ragged_dot(x_TD, ffn, experts_TK, weights_TK, *, mesh, cfg, placement=None, slot_weights=False):
-  """`moe_ragged_dot` with `cfg.gmm_impl` (XLA shards it as it likes on a mesh)."""
+  """`moe_ragged_dot` with `cfg.gmm_impl` (XLA shards it as it likes on a mesh; on TPU only
+  with gmm_impl="ragged_dot": XLA cannot partition megablox's Pallas kernel)."""
   experts_TK, stats = _local_slots(experts_TK, mesh, cfg, placement, slot_weights)
   fn = auto(functools.partial(local.moe_ragged_dot, gmm_impl=cfg.gmm_impl), x_TD, lambda spec: spec)
   return fn(x_TD, ffn, experts_TK, weights_TK), stats
