@@ -7,8 +7,8 @@
 Each op is a kernel of the optimised module (`bench.reading.hbm.op_bytes`): its FLOPs (a dot,
 a convolution, the dots inside a fusion, a Pallas kernel's declared or visited FLOPs; splash
 attention, which declares none, the blocks its causal mask leaves) and its HBM bytes by the
-one model (`bench.reading.hbm`: in-place updates by their slice, VMEM
-prefetches once, grouped kernels at the tiles their grid visits). The link time is each
+one model (`bench.reading.hbm`: in-place updates by their slice, VMEM prefetches once,
+grouped kernels at the tiles their grid visits). The link time is each
 collective's wire bytes over the chip's link bandwidth; the part that no op scheduled in
 its window covers is exposed (`bench.reading.schedule`). Beside it, the whole-step lower
 bound `max(compute_s, hbm_s, ici_s)` by the same counts, which assumes every HBM-bound op

@@ -1,8 +1,9 @@
 """What one HLO instruction costs: the bytes of its types, the FLOPs of a dot, a convolution or
 a Pallas kernel (the cost it declares; splash attention's, which declares none, from its
-shapes, counted by the one estimate's `hbm.op_flops`), and the wire bytes of a collective. `hlo.parse_hlo`
-reads them into each computation's totals; `measure` scales those by how often it runs.
-`instruction_lines` puts an instruction written over several lines back on one."""
+shapes, counted by the one estimate's `hbm.op_flops`), and the wire bytes of a collective.
+`hlo.parse_hlo` reads them into each computation's totals; `measure` scales those by how
+often it runs. `instruction_lines` puts an instruction written over several lines back on
+one."""
 
 from __future__ import annotations
 
