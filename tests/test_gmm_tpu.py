@@ -307,6 +307,10 @@ MIB = 2**20
     (9216, 2048, 4096, jnp.bfloat16, 8, 96 * MIB, (512, 2048, 4096)),
     (8192, 2048, 4096, jnp.bfloat16, 14, 96 * MIB, (256, 2048, 4096)),
     (8192, 2048, 4096, jnp.float32, 1, 96 * MIB, (1024, 2048, 2048)),
+    # The down projection: tgmm's transposed x[1024, 4096] block does not fit beside its
+    # blocks (compiled for v5e it ran out of VMEM), so 512 rows; the up projection keeps 1024.
+    (65536, 4096, 2048, jnp.bfloat16, 8, 96 * MIB, (512, 4096, 2048)),
+    (65536, 2048, 4096, jnp.bfloat16, 8, 96 * MIB, (1024, 2048, 4096)),
     # v5p, TPU7x (48 MiB): tgmm's [D, F] block does not fit whole; F halved.
     (9216, 2048, 4096, jnp.bfloat16, 8, 48 * MIB, (512, 2048, 2048)),
     (8192, 2048, 4096, jnp.bfloat16, 1, 48 * MIB, (512, 2048, 2048)),  # 1024 would lower tn
@@ -319,6 +323,7 @@ def test_default_tiling(M, D, F, dtype, G, limit, want):
   assert -(-D // 128) * 128 % tk == 0 and -(-F // 128) * 128 % tn == 0
   used = gmm_tpu.vmem_bytes(tm, tk, tn, jnp.dtype(dtype).itemsize)
   assert used <= gmm_tpu.vmem_budget(limit) and (limit is None or used < limit)
+  assert gmm_tpu.tgmm_fits(tm, tk, tn, jnp.dtype(dtype).itemsize, limit)
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ from moe_shard.kernels.tpu_tiling import (  # noqa: F401 - re-exported: megablox
   default_tiling,
   fetched_once_bytes,
   target_device_kind,
+  tgmm_fits,
   vmem_budget,
   vmem_bytes,
   vmem_limit,

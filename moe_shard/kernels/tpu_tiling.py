@@ -93,6 +93,16 @@ def vmem_limit(device_kind):
   return capacity * 3 // 4
 
 
+def tgmm_fits(tm, tk, tn, itemsize, limit):
+  """Whether tgmm (the dw kernel) fits a VMEM limit (None: Mosaic's default) with its lhs
+  block transposed: Mosaic holds x[tm, tk]^T beside the blocks `vmem_bytes` counts, which
+  the budget's headroom does not cover for the largest tiles (compiled for v5e: w [8, 4096,
+  2048] at 1024 x 4096 x 2048 runs out of VMEM, at 512 rows it fits, as [8, 2048, 4096] at
+  1024 x 2048 x 4096 does). 1 MiB is left for Mosaic's other scratch."""
+  limit = DEFAULT_VMEM_LIMIT if limit is None else limit
+  return vmem_bytes(tm, tk, tn, itemsize, ("dw",)) + itemsize * tm * tk <= limit - MiB
+
+
 def vmem_budget(limit):
   """The bytes `vmem_bytes` may reach under a VMEM limit (None: Mosaic's default): 3/4 of
   it at the default (`VMEM_BUDGET`), the limit less 8 MiB above it."""
@@ -104,7 +114,7 @@ def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None, forward=Fal
 
   Columns: tk and tn start at full width (D and F rounded up to 128) and the larger one is
   lowered, to the next multiple of 128 that divides its width, until `vmem_bytes` fits
-  `vmem_budget(vmem_limit)`. Full width reads everything once: with tk = D (one contraction
+  `vmem_budget(vmem_limit)` and tgmm its limit (`tgmm_fits`). Full width reads everything once: with tk = D (one contraction
   tile), consecutive row tiles of a group ask for the same w[g] block, which the Pallas
   pipeline keeps in VMEM instead of fetching it again (it copies a block only when its
   index changes between grid steps; https://docs.jax.dev/en/latest/pallas/tpu/sparse.html),
@@ -149,7 +159,13 @@ def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None, forward=Fal
 
   def columns(tm, kernels=KERNELS):
     tk, tn = round_up(max(D, 1), LANES), round_up(max(F, 1), LANES)
-    while vmem_bytes(tm, tk, tn, b, kernels) > budget and max(tk, tn) > LANES:
+
+    def fits(tk, tn):
+      return vmem_bytes(tm, tk, tn, b, kernels) <= budget and (
+        "dw" not in kernels or tgmm_fits(tm, tk, tn, b, vmem_limit)
+      )
+
+    while not fits(tk, tn) and max(tk, tn) > LANES:
       if tk >= tn:
         tk = _lane_tile(D, tk - LANES)
       else:
