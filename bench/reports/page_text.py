@@ -119,9 +119,10 @@ NOTES = {
   "tpu_v5e_2x4": (
     'jit_ragged_dot does not compile for TPU: its grouped matmul (`gmm_impl="auto"`, '
     "megablox's Pallas kernel) cannot be partitioned by XLA under `jax.jit` with sharded "
-    "tokens ([dispatch guide](guides/dispatch.md)). all_gather's training step at E=64 runs "
-    "out of VMEM in the compile (Mosaic's `CompileTimeScopedVmemOom`); jit_masked_scan's at "
-    "E=64 needs 29 GB of temporaries, more than v5e's 16 GB."
+    "tokens ([dispatch guide](guides/dispatch.md)). jit_masked_scan's training step at E=64 "
+    "needs 29 GB of temporaries, more than v5e's 16 GB. all_gather's at E=64 is a second "
+    "command's row: it ran out of VMEM in the compile until megablox's tiles kept tgmm's "
+    "transposed block within the limit (`tpu_tiling.tgmm_fits`)."
   ),
   "tpu_v6e_2x4": (
     "all_gather's training step runs out of VMEM in the compile (Mosaic's "
