@@ -125,8 +125,9 @@ NOTES = {
     "transposed block within the limit (`tpu_tiling.tgmm_fits`)."
   ),
   "tpu_v6e_2x4": (
-    "all_gather's training step runs out of VMEM in the compile (Mosaic's "
-    "`CompileTimeScopedVmemOom`), as on v5e."
+    "all_gather's training step is a second command's row: it ran out of VMEM in the "
+    "compile until megablox's tiles kept tgmm's transposed block within the limit "
+    "(`tpu_tiling.tgmm_fits`)."
   ),
   "tpu_calibration": (
     "The command runs from the repository root with `PYTHONPATH=.tpu-libs` (libtpu gives the "
