@@ -115,9 +115,10 @@ def default_tiling(M, D, F, dtype, *, num_groups=1, vmem_limit=None, forward=Fal
   Columns: tk and tn start at full width (D and F rounded up to 128) and the larger one is
   lowered, to the next multiple of 128 that divides its width, until `vmem_bytes` fits
   `vmem_budget(vmem_limit)` and tgmm its limit (`tgmm_fits`). Full width reads everything
-  once: with tk = D (one contraction tile), consecutive row tiles of a group ask for the same w[g] block, which the Pallas
-  pipeline keeps in VMEM instead of fetching it again (it copies a block only when its
-  index changes between grid steps; https://docs.jax.dev/en/latest/pallas/tpu/sparse.html),
+  once: with tk = D (one contraction tile), consecutive row tiles of a group ask for the
+  same w[g] block, which the Pallas pipeline keeps in VMEM instead of fetching it again (it
+  copies a block only when its index changes between grid steps;
+  https://docs.jax.dev/en/latest/pallas/tpu/sparse.html),
   so w is read once per group, not once per row tile; with tn = F, x is read once, not
   F / tn times. The dx and dw kernels take the same tiles (tgmm's dw[g] block is then the
   whole [D, F] matrix, its largest VMEM use). Under Mosaic's default limit this gives
